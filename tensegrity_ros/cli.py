@@ -1,0 +1,56 @@
+"""`tensegrity`: one console script, subcommands registered by name.
+
+Each subcommand lives in ``tensegrity_ros/commands/<name>.py`` with ``add_arguments(parser)`` and
+``run(args) -> int``; modules are imported only when their subcommand runs, so ``tensegrity validate``
+does not pay for torch or MuJoCo. Exit codes: 0 success, 2 bad input (with the error on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+from .commands import UserError
+
+#: subcommand -> (module under tensegrity_ros.commands, one-line help)
+SUBCOMMANDS = {
+    "validate": ("validate", "check a structure file and print a summary"),
+    "simulate": ("simulate", "run the MuJoCo twin driven by the references; plots, trajectories, optional bag"),
+    "identify": ("identify", "identify parameters from a rosbag2 recording"),
+    "emulate-bus": ("emulate_bus", "serve an emulated Dynamixel Protocol 2.0 bus on a pseudo-terminal"),
+    "demo": ("demo", "the full hardware-in-the-loop graph against the simulated robot"),
+}
+
+
+def _parser_for(name: str) -> argparse.ArgumentParser:
+    module, help_text = SUBCOMMANDS[name]
+    parser = argparse.ArgumentParser(prog=f"tensegrity {name}", description=help_text)
+    importlib.import_module(f"tensegrity_ros.commands.{module}").add_arguments(parser)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: tensegrity SUBCOMMAND [options]\n\nsubcommands:")
+        for name, (_, help_text) in SUBCOMMANDS.items():
+            print(f"  {name:<12} {help_text}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"tensegrity: unknown subcommand {name!r} (valid: {', '.join(SUBCOMMANDS)})", file=sys.stderr)
+        return 2
+    args = _parser_for(name).parse_args(rest)
+    module = importlib.import_module(f"tensegrity_ros.commands.{SUBCOMMANDS[name][0]}")
+    try:
+        return int(module.run(args) or 0)
+    except UserError as err:
+        print(f"tensegrity {name}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

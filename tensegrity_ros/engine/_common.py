@@ -1,0 +1,107 @@
+"""Small shared helpers (tensor conversion, constant pytrees, batched SPD inverse)."""
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def register_tensor_dataclass(cls):
+    """Register a (frozen) dataclass whose fields are all tensors as a pytree node."""
+    names = [f.name for f in fields(cls)]
+
+    def flatten(obj):
+        return [getattr(obj, n) for n in names], None
+
+    def unflatten(children, _ctx):
+        return cls(*children)
+
+    def flatten_with_keys(obj):
+        return [(pytree.GetAttrKey(n), getattr(obj, n)) for n in names], None
+
+    pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=f"tensegrity_ros.engine.{cls.__name__}",
+                                flatten_with_keys_fn=flatten_with_keys)
+    cls.map = lambda self, fn: pytree.tree_map(lambda t: None if t is None else fn(t), self)
+    return cls
+
+
+def as_tensor(x: np.ndarray, dtype, device) -> torch.Tensor:
+    x = np.asarray(x)
+    if x.dtype.kind in "iub":
+        return torch.as_tensor(x.astype(np.int64), device=device)
+    return torch.as_tensor(x, dtype=dtype, device=device)
+
+
+def convert_like(tree, ref: torch.Tensor):
+    """Move the floating tensors of ``tree`` to ``ref``'s dtype and device (no-op when they match)."""
+
+    def f(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.is_floating_point():
+            if t.dtype == ref.dtype and t.device == ref.device:
+                return t
+            return t.to(dtype=ref.dtype, device=ref.device)
+        return t if t.device == ref.device else t.to(ref.device)
+
+    return pytree.tree_map(f, tree)
+
+
+def spd_inverse(A: torch.Tensor, method: str = "lapack") -> torch.Tensor:
+    """Inverse of a batch of symmetric positive-definite matrices ``A`` (..., n, n).
+
+    ``lapack``: torch.linalg.inv. ``unrolled``: Gauss-Jordan elimination without pivoting (safe for SPD),
+    written as n vectorised tensor updates; fuses well under torch.compile and beats per-matrix LAPACK calls
+    for large batches of small matrices.
+    """
+    n = A.shape[-1]
+    if n == 0:
+        return A
+    if method == "lapack":
+        return torch.linalg.inv(A)
+    if method != "unrolled":
+        raise ValueError(f"unknown solver {method!r} (valid: lapack, unrolled)")
+    eye = torch.eye(n, dtype=A.dtype, device=A.device)
+    M = torch.cat([A, eye.expand(A.shape)], dim=-1)
+    for k in range(n):
+        piv = M[..., k:k + 1, :] / M[..., k:k + 1, k:k + 1]
+        col = M[..., :, k:k + 1] - eye[:, k:k + 1]
+        M = M - col * piv
+    return M[..., n:]
+
+
+def inductor_cache_dir() -> str:
+    """Point the inductor cache at ``<repo>/build/torchinductor`` (unless the caller set one) and return it."""
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not path:
+        path = str(REPO_ROOT / "build" / "torchinductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def setup_compile(recompile_limit: int = 64) -> None:
+    """Prepare torch.compile: inductor cache under build/, generous recompile limit (several batch sizes)."""
+    inductor_cache_dir()
+    import torch._dynamo as dynamo
+    cfg = dynamo.config
+    if hasattr(cfg, "recompile_limit"):
+        cfg.recompile_limit = max(cfg.recompile_limit, recompile_limit)
+    else:  # older torch
+        cfg.cache_size_limit = max(cfg.cache_size_limit, recompile_limit)
+    if hasattr(cfg, "accumulated_recompile_limit"):
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * recompile_limit)
+
+
+def unsqueeze_batch(t: Optional[torch.Tensor], ndim: int) -> Optional[torch.Tensor]:
+    """Give ``t`` a leading batch dim if it has only ``ndim`` dims (unbatched)."""
+    if t is None:
+        return None
+    return t.unsqueeze(0) if t.dim() == ndim else t

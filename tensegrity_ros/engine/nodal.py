@@ -1,0 +1,549 @@
+"""Nodal tensegrity dynamics in reduced coordinates (the product's main engine).
+
+Same physics as the nodal-dynamics seed (eqs. 1-10): point-mass nodes with the bars' consistent mass
+matrix, composite Kelvin-Voigt strings (pull only), bar lengths held by Lagrange multipliers, linear nodal
+constraints. The linear constraints are eliminated exactly by reduced coordinates (``X = T Q + X_c``, see
+:mod:`.topology`), the bar-length multipliers are solved exactly each evaluation:
+
+    M_q Q'' = F_q + (C_b T)^T (lambda * d),          F_q = T^T (F_strings + F_gravity + F_external)
+    a0 = M_q^-1 F_q,  A = G * (D D^T),  G = (C_b T) M_q^-1 (C_b T)^T   (constant per params)
+    A lambda = -(|d'|^2 + d . (C_b T) a0) - (2 alpha g' + beta^2 g),   g = (|d|^2 - l^2) / 2
+    Q'' = a0 + M_q^-1 (C_b T)^T (lambda * d)
+
+lambda is the seed's bar force density (lambda_hat, eq. 5/8, up to sign). After each step, positions and
+velocities are projected back onto the bar-length manifold (mass-weighted Gauss-Newton, reusing A^-1).
+
+Everything is a pure function of (constants, params, state, inputs); the :class:`NodalEngine` only bundles
+the constants of one structure.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional, Tuple
+
+import numpy as np
+import torch
+
+from . import integrators
+from ._common import (as_tensor, convert_like, register_tensor_dataclass, setup_compile, spd_inverse,
+                      unsqueeze_batch)
+from .params import Params, params_from_structure
+from .state import Inputs, State
+from .topology import Topology, build_topology
+
+
+# =====================================================================================================
+# constants and per-params derived quantities
+# Internal layout is the seed's: coordinates first, nodes last (Q: (B, 3, n_free)), so every constant
+# matrix multiplies from the right and batched products fold into one matrix multiply.
+# =====================================================================================================
+@register_tensor_dataclass
+@dataclass(frozen=True)
+class NodalConstants:
+    """Constant tensors of a structure (see :mod:`.topology`); floating ones follow the state's dtype/device.
+
+    T: (N, n_free); Tt: (n_free, N) = T^T; XcT: (3, N) m; free_idx: (n_free,) long;
+    Cb_q: (nba, n_free) = C_b T over the nba bars with a free node; Cbt: (n_free, nba); dcT: (3, nba) m;
+    l2: (nba,) squared bar lengths, m^2; Cs_q: (n_seg, n_free); Cst: (n_free, n_seg); scT: (3, n_seg) m;
+    G: (n_seg, n_strings); Gt: (n_strings, n_seg); Ydir: (n_strings, A); E_q: (n_bars, n_free, n_free);
+    WqT: (n_bars, n_free); gravity: (3,) m/s^2; bar_nodes: (n_bars, 2) long; bar_lengths: (n_bars,) m;
+    seg_nodes: (n_seg, 2) long; E: (n_bars, N, N); W: (N, n_bars).
+    """
+
+    T: torch.Tensor
+    Tt: torch.Tensor
+    XcT: torch.Tensor
+    free_idx: torch.Tensor
+    Cb_q: torch.Tensor
+    Cbt: torch.Tensor
+    dcT: torch.Tensor
+    l2: torch.Tensor
+    Cs_q: torch.Tensor
+    Cst: torch.Tensor
+    scT: torch.Tensor
+    G: torch.Tensor
+    Gt: torch.Tensor
+    Ydir: torch.Tensor
+    E_q: torch.Tensor
+    WqT: torch.Tensor
+    gravity: torch.Tensor
+    bar_nodes: torch.Tensor
+    bar_lengths: torch.Tensor
+    seg_nodes: torch.Tensor
+    E: torch.Tensor
+    W: torch.Tensor
+
+    @staticmethod
+    def build(top: Topology, dtype=torch.float64, device=None) -> "NodalConstants":
+        act = top.active_bars
+        t = lambda x: as_tensor(np.ascontiguousarray(x), dtype, device)  # noqa: E731
+        return NodalConstants(
+            T=t(top.T), Tt=t(top.T.T), XcT=t(top.Xc.T), free_idx=t(np.array(top.free_nodes, dtype=np.int64)),
+            Cb_q=t(top.Cb_q[act]), Cbt=t(top.Cb_q[act].T), dcT=t(top.d_c[act].T), l2=t(top.bar_lengths[act] ** 2),
+            Cs_q=t(top.Cs_q), Cst=t(top.Cs_q.T), scT=t(top.s_c.T), G=t(top.G), Gt=t(top.G.T), Ydir=t(top.Ydir),
+            E_q=t(top.E_q), WqT=t(top.W_q.T), gravity=t(top.gravity), bar_nodes=t(top.bar_nodes),
+            bar_lengths=t(top.bar_lengths), seg_nodes=t(top.seg_nodes), E=t(top.E), W=t(top.W))
+
+
+@register_tensor_dataclass
+@dataclass(frozen=True)
+class Derived:
+    """Per-params quantities (no batch dim for unbatched params, else the params batch Bp first).
+
+    EA: (Bp, S) N; zeta: (Bp, S) N s/m; xi00: (Bp, S) m; Y: (Bp, S, A) m/rad; z: (Bp, A) rad;
+    Mq: (Bp, n_free, n_free) kg; Minv: (Bp, n_free, n_free) 1/kg; Pt: (Bp, nba, n_free) = (C_b T) M_q^-1;
+    Gc: (Bp, nba, nba) = (C_b T) M_q^-1 (C_b T)^T; FgT: (Bp, 3, n_free) generalised weight, N.
+    """
+
+    EA: torch.Tensor
+    zeta: torch.Tensor
+    xi00: torch.Tensor
+    Y: torch.Tensor
+    z: torch.Tensor
+    Mq: torch.Tensor
+    Minv: torch.Tensor
+    Pt: torch.Tensor
+    Gc: torch.Tensor
+    FgT: torch.Tensor
+
+
+def reduced_mass_matrix(c: NodalConstants, mass: torch.Tensor) -> torch.Tensor:
+    """M_q = T^T (sum_b m_b E_b) T: (..., n_free, n_free) kg from mass (..., n_bars) kg."""
+    return torch.einsum("...b,bfg->...fg", mass, c.E_q)
+
+
+def prepare(c: NodalConstants, p: Params) -> Derived:
+    """Quantities that depend on params only (mass matrix inverse, bar coupling G, weights, EA, Y)."""
+    k, zeta, xi00, m = p.stiffness, p.damping, p.rest_length, p.mass
+    Mq = reduced_mass_matrix(c, m)
+    Minv = torch.linalg.inv(Mq)
+    Pt = c.Cb_q @ Minv
+    Gc = Pt @ c.Cbt
+    FgT = c.gravity.unsqueeze(-1) * (m @ c.WqT).unsqueeze(-2)
+    Y = c.Ydir * p.spool_radius.unsqueeze(-2)
+    return Derived(EA=k * xi00, zeta=zeta, xi00=xi00, Y=Y, z=p.zero_offset, Mq=Mq, Minv=Minv, Pt=Pt, Gc=Gc, FgT=FgT)
+
+
+# =====================================================================================================
+# string law (CONTRACTS.md): composite Kelvin-Voigt, pull only, gated on D > 0
+# =====================================================================================================
+class StringState(NamedTuple):
+    """Per composite string: length L (B, S) m, rate L' m/s, rest length xi0 m, xi0' m/s, stretch D m,
+    rate D' m/s, stiffness kappa = EA/xi0 N/m, tension (B, S) N; per segment: unit vectors e (segment
+    vectors' layout)."""
+
+    L: torch.Tensor
+    Ldot: torch.Tensor
+    xi0: torch.Tensor
+    xi0dot: torch.Tensor
+    D: torch.Tensor
+    Ddot: torch.Tensor
+    kappa: torch.Tensor
+    tension: torch.Tensor
+    e: torch.Tensor
+
+
+def _act(Y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Y (.., S, A) times x (.., A) -> (.., S)."""
+    if Y.dim() == 2:
+        return x @ Y.T
+    return (x.unsqueeze(-2) @ Y.mT).squeeze(-2)
+
+
+def rest_lengths(der: Derived, u: Optional[torch.Tensor], udot: Optional[torch.Tensor]):
+    """xi0 = xi00 + Y (u - z) (.., S) m and xi0' = Y u' m/s (zeros when udot is None)."""
+    xi0 = der.xi00
+    xi0dot = None
+    if u is not None and der.Y.shape[-1] > 0:
+        xi0 = xi0 + _act(der.Y, u - der.z)
+        if udot is not None:
+            xi0dot = _act(der.Y, udot)
+    return xi0, xi0dot
+
+
+def string_law(G: torch.Tensor, s: torch.Tensor, sdot: torch.Tensor, der: Derived, u: Optional[torch.Tensor],
+               udot: Optional[torch.Tensor], coord_dim: int = -2) -> StringState:
+    """Composite string tensions from segment vectors.
+
+    G: (n_seg, S) simple-to-composite map. s: segment vectors (second minus first node), m, either
+    (B, 3, n_seg) (``coord_dim=-2``, internal layout) or (B, n_seg, 3) (``coord_dim=-1``). sdot: their rates,
+    m/s. u: (B, A) motor angles, rad; udot: (B, A) rad/s (or None).
+    """
+    xi = torch.linalg.vector_norm(s, dim=coord_dim)                 # (B, ns)
+    e = s / xi.unsqueeze(coord_dim)
+    xidot = (e * sdot).sum(coord_dim)
+    L = xi @ G                                                      # (B, S)
+    Ldot = xidot @ G
+    xi0, xi0dot = rest_lengths(der, u, udot)
+    D = L - xi0
+    Ddot = Ldot if xi0dot is None else Ldot - xi0dot
+    kappa = der.EA / xi0
+    tension = torch.where(D > 0, torch.relu(kappa * D + der.zeta * Ddot), torch.zeros_like(D))
+    return StringState(L, Ldot, xi0, torch.zeros_like(xi0) if xi0dot is None else xi0dot, D, Ddot, kappa,
+                       tension, e)
+
+
+# =====================================================================================================
+# dynamics (internal layout: Q, V (B, 3, n_free))
+# =====================================================================================================
+class Options(NamedTuple):
+    """Solver options. baumgarte: (alpha 1/s, beta 1/s) constraint stabilisation in the multiplier equation;
+    projection_iters: Gauss-Newton position projections after each step (0: off; velocities are projected
+    whenever positions are); solver: 'lapack' | 'unrolled' (see :func:`spd_inverse`)."""
+
+    baumgarte: Tuple[float, float] = (0.0, 0.0)
+    projection_iters: int = 2
+    solver: str = "lapack"
+
+
+def generalized_forces(c: NodalConstants, der: Derived, Q, V, u, udot, fext) -> torch.Tensor:
+    """F_q^T (B, 3, n_free) N: strings + gravity + external (``fext`` already reduced, (B, 3, n_free))."""
+    s = Q @ c.Cst + c.scT
+    sdot = V @ c.Cst
+    st = string_law(c.G, s, sdot, der, u, udot)
+    seg_t = st.tension @ c.Gt                                       # (B, ns)
+    F = der.FgT - (seg_t.unsqueeze(-2) * st.e) @ c.Cs_q
+    if fext is not None:
+        F = F + fext
+    return F
+
+
+def accelerations(c: NodalConstants, der: Derived, Q, V, u, udot, fext, opts: Options):
+    """Q'' (B, 3, n_free) m/s^2 and A^-1 (B, nba, nba) at the reduced state Q (m), V (m/s)."""
+    F = generalized_forces(c, der, Q, V, u, udot, fext)
+    a0 = F @ der.Minv
+    if c.Cb_q.shape[0] == 0:
+        return a0, None
+    d = Q @ c.Cbt + c.dcT                                           # (B, 3, nba)
+    dd = V @ c.Cbt
+    rhs = -(dd * dd).sum(-2) - (d * (a0 @ c.Cbt)).sum(-2)           # (B, nba)
+    alpha, beta = opts.baumgarte
+    if alpha or beta:
+        g = 0.5 * ((d * d).sum(-2) - c.l2)
+        rhs = rhs - 2.0 * alpha * (d * dd).sum(-2) - beta * beta * g
+    A = der.Gc * (d.mT @ d)
+    Ainv = spd_inverse(A, opts.solver)
+    lam = (Ainv @ rhs.unsqueeze(-1)).mT                             # (B, 1, nba)
+    return a0 + (lam * d) @ der.Pt, Ainv
+
+
+def project(c: NodalConstants, der: Derived, Q, V, Ainv, iters: int):
+    """Mass-weighted projection of Q (positions) onto |d_b| = l_b and of V onto d_b . d_b' = 0.
+
+    Gauss-Newton with the (chord) matrix A^-1 (B, nba, nba) of the step: each iteration reduces the error
+    by ~|d'| dt / l (~1e-3); two iterations bring it to round-off.
+    """
+    if iters <= 0 or Ainv is None:
+        return Q, V
+    for _ in range(iters):
+        d = Q @ c.Cbt + c.dcT
+        g = 0.5 * ((d * d).sum(-2) - c.l2)
+        mu = (Ainv @ g.unsqueeze(-1)).mT
+        Q = Q - (mu * d) @ der.Pt
+    d = Q @ c.Cbt + c.dcT
+    nu = (Ainv @ (d * (V @ c.Cbt)).sum(-2).unsqueeze(-1)).mT
+    V = V - (nu * d) @ der.Pt
+    return Q, V
+
+
+def step_reduced(c: NodalConstants, der: Derived, Q, V, u, udot, fext, dt: float, integrator: str,
+                 opts: Options):
+    """One step in reduced coordinates: (Q, V) (B, 3, n_free) -> (Q', V'). Inputs held over the step."""
+    integrate = integrators.get(integrator)
+    Q1, V1, Ainv = integrate(Q, V, lambda q, v: accelerations(c, der, q, v, u, udot, fext, opts), dt)
+    return project(c, der, Q1, V1, Ainv, opts.projection_iters)
+
+
+INTEGRATORS = integrators.INTEGRATORS
+
+
+def expand(c: NodalConstants, Q: torch.Tensor) -> torch.Tensor:
+    """Full node positions (..., N, 3) m from internal Q (..., 3, n_free): X = T Q + X_c."""
+    return (Q @ c.Tt + c.XcT).mT
+
+
+def expand_velocity(c: NodalConstants, V: torch.Tensor) -> torch.Tensor:
+    """Full node velocities (..., N, 3) m/s from internal V (..., 3, n_free)."""
+    return (V @ c.Tt).mT
+
+
+def reduce(c: NodalConstants, X: torch.Tensor) -> torch.Tensor:
+    """Internal reduced coordinates (..., 3, n_free): the independent nodes' rows of X (..., N, 3)."""
+    return X.index_select(-2, c.free_idx).mT.contiguous()
+
+
+def _inputs_reduced(c: NodalConstants, inputs: Optional[Inputs]):
+    if inputs is None:
+        return None, None, None
+    fq = None
+    if inputs.external_forces is not None:
+        fq = inputs.external_forces.mT @ c.T                        # (.., 3, n_free)
+    return inputs.motor_angles, inputs.motor_velocities, fq
+
+
+def step(c: NodalConstants, params: Params, state: State, inputs: Optional[Inputs], dt: float,
+         integrator: str = "semi_implicit", opts: Options = Options()) -> State:
+    """Pure step: (constants, params, state (B, N, 3), inputs, dt s) -> next State."""
+    c = convert_like(c, state.positions)
+    params = convert_like(params, state.positions)
+    inputs = convert_like(inputs, state.positions)
+    der = prepare(c, params)
+    Q, V = reduce(c, state.positions), reduce(c, state.velocities)
+    u, ud, fq = _inputs_reduced(c, inputs)
+    Q, V = step_reduced(c, der, Q, V, u, ud, fq, dt, integrator, opts)
+    return State(expand(c, Q), expand_velocity(c, V))
+
+
+def rollout(c: NodalConstants, params: Params, state0: State, inputs: Optional[Inputs], dt: float,
+            integrator: str = "semi_implicit", opts: Options = Options(), steps: Optional[int] = None) -> State:
+    """T steps; ``inputs`` fields carry a leading time axis T. Returns States stacked on a leading T axis
+    (state after each step; state0 excluded). ``steps`` is only needed when ``inputs`` is None."""
+    c = convert_like(c, state0.positions)
+    params = convert_like(params, state0.positions)
+    inputs = convert_like(inputs, state0.positions)
+    der = prepare(c, params)
+    Q, V = reduce(c, state0.positions), reduce(c, state0.velocities)
+    n = _horizon(inputs, steps)
+    u_all, ud_all, fq_all = _inputs_reduced(c, inputs)
+    Qs, Vs = [], []
+    for t in range(n):
+        Q, V = step_reduced(c, der, Q, V, None if u_all is None else u_all[t], None if ud_all is None else ud_all[t],
+                            None if fq_all is None else fq_all[t], dt, integrator, opts)
+        Qs.append(Q)
+        Vs.append(V)
+    return State(expand(c, torch.stack(Qs)), expand_velocity(c, torch.stack(Vs)))
+
+
+def _horizon(inputs: Optional[Inputs], steps: Optional[int]) -> int:
+    lengths = set()
+    if inputs is not None:
+        for t in (inputs.motor_angles, inputs.motor_velocities, inputs.external_forces, inputs.control_forces,
+                  inputs.control_arms):
+            if t is not None:
+                lengths.add(int(t.shape[0]))
+    if steps is not None:
+        lengths.add(int(steps))
+    if len(lengths) != 1:
+        raise ValueError(f"rollout needs one horizon: inputs with a leading time axis T (or steps=T); got {lengths}")
+    return lengths.pop()
+
+
+# =====================================================================================================
+# diagnostics and identification helpers (full node space, (B, N, 3))
+# =====================================================================================================
+def bar_length_error(c: NodalConstants, positions: torch.Tensor) -> torch.Tensor:
+    """(...,) max over bars of | |d_b| / l_b - 1 | for positions (..., N, 3) m."""
+    c = convert_like(c, positions)
+    if c.bar_nodes.shape[0] == 0:
+        return positions.new_zeros(positions.shape[:-2])
+    d = positions[..., c.bar_nodes[:, 1], :] - positions[..., c.bar_nodes[:, 0], :]
+    return (torch.linalg.vector_norm(d, dim=-1) / c.bar_lengths - 1.0).abs().amax(-1)
+
+
+def full_string_state(c: NodalConstants, params: Params, positions, velocities, motor_angles=None,
+                      motor_velocities=None) -> StringState:
+    """String lengths, stretches and tensions for full node positions (B, N, 3) m and velocities m/s."""
+    c = convert_like(c, positions)
+    der = prepare(c, convert_like(params, positions))
+    i, j = c.seg_nodes[:, 0], c.seg_nodes[:, 1]
+    s = positions[..., j, :] - positions[..., i, :]
+    sd = velocities[..., j, :] - velocities[..., i, :]
+    return string_law(c.G, s, sd, der, motor_angles, motor_velocities, coord_dim=-1)
+
+
+def energy(c: NodalConstants, params: Params, state: State, motor_angles=None) -> torch.Tensor:
+    """(...,) total mechanical energy, J: kinetic (consistent bar mass) + gravity + string potential.
+
+    String potential 1/2 kappa D^2 (D > 0) is exact for constant kappa (non-actuated strings, constant u).
+    """
+    c = convert_like(c, state.positions)
+    X, V = state.positions, state.velocities
+    m = params.mass
+    ke = 0.5 * torch.einsum("...b,...ni,bnm,...mi->...", m, V, c.E, V)
+    pe_g = -torch.einsum("...b,nb,...nk,k->...", m, c.W, X, c.gravity)
+    st = full_string_state(c, params, X, V, motor_angles)
+    pe_s = (0.5 * st.kappa * torch.relu(st.D) ** 2).sum(-1)
+    return ke + pe_g + pe_s
+
+
+class StringUnitForces(NamedTuple):
+    """Linear-in-parameters pieces of the nodal forces (full node space).
+
+    stiffness: (B, S, N, 3) force on each node per unit ``stiffness`` parameter of string c, N/(N/m)
+        (kappa_c = stiffness_c * rest_length_c / xi0_c(t); for non-actuated strings kappa_c = stiffness_c).
+    damping: (B, S, N, 3) force per unit damping zeta_c, N/(N s/m).
+    gravity: (N, n_bars, 3) weight per unit bar mass, N/kg.
+    active: (B, S) bool, the strings whose pull is on (D > 0 and tension > 0 at the given params).
+    So F = sum_c stiffness_c A_c + damping_c B_c + sum_b m_b W_b exactly, for the given state.
+    """
+
+    stiffness: torch.Tensor
+    damping: torch.Tensor
+    gravity: torch.Tensor
+    active: torch.Tensor
+
+
+def string_unit_forces(topology_or_constants, positions: torch.Tensor, velocities: torch.Tensor,
+                       motor_angles: Optional[torch.Tensor], params: Params,
+                       motor_velocities: Optional[torch.Tensor] = None) -> StringUnitForces:
+    """Per-string force contributions per unit stiffness / damping at full node positions (B, N, 3) m,
+    velocities (B, N, 3) m/s, motor angles (B, A) rad. ``params`` supplies rest lengths, spool radii, zero
+    offsets (and the gate: a string counts as active when it is taut and its tension > 0)."""
+    c = topology_or_constants
+    if isinstance(c, Topology):
+        c = NodalConstants.build(c, positions.dtype, positions.device)
+    c = convert_like(c, positions)
+    params = convert_like(params, positions)
+    st = full_string_state(c, params, positions, velocities, motor_angles, motor_velocities)
+    active = st.tension > 0                                         # (B, S)
+    N = positions.shape[-2]
+    ns = c.seg_nodes.shape[0]
+    Cs = torch.zeros(ns, N, dtype=positions.dtype, device=positions.device)
+    ar = torch.arange(ns, device=positions.device)
+    Cs[ar, c.seg_nodes[:, 0]] = -1.0
+    Cs[ar, c.seg_nodes[:, 1]] = 1.0
+    # unit-tension nodal force of each composite string: F_n = -sum_s G_sc (C_s)_sn e_s   (B, S, N, 3)
+    pattern = -torch.einsum("sc,sn,...sk->...cnk", c.G, Cs, st.e)
+    gate = active.to(positions.dtype)
+    kscale = params.rest_length / st.xi0                            # kappa per unit stiffness parameter
+    A = (gate * kscale * st.D).unsqueeze(-1).unsqueeze(-1) * pattern
+    B = (gate * st.Ddot).unsqueeze(-1).unsqueeze(-1) * pattern
+    grav = c.W.unsqueeze(-1) * c.gravity                            # (N, nb, 3)
+    return StringUnitForces(A, B, grav, active)
+
+
+# =====================================================================================================
+# engine object
+# =====================================================================================================
+@dataclass(frozen=True, eq=False)
+class NodalEngine:
+    """Nodal engine of one structure. Immutable; all methods are pure functions of their arguments.
+
+    Create with :func:`tensegrity_ros.engine.make_engine`.
+    """
+
+    topology: Topology
+    constants: NodalConstants
+    integrator: str = "semi_implicit"
+    options: Options = field(default_factory=Options)
+    backend: str = "nodal"
+
+    @classmethod
+    def create(cls, structure, integrator="semi_implicit", dtype=torch.float64, device=None, **options):
+        if integrator not in INTEGRATORS:
+            raise ValueError(f"unknown integrator {integrator!r} (valid: {', '.join(INTEGRATORS)})")
+        top = build_topology(structure)
+        eng = cls(top, NodalConstants.build(top, dtype, device), integrator, Options(**options))
+        eng._check_constraints()
+        return eng
+
+    @property
+    def structure(self):
+        return self.topology.structure
+
+    @property
+    def dtype(self):
+        return self.constants.T.dtype
+
+    @property
+    def device(self):
+        return self.constants.T.device
+
+    def to(self, dtype=None, device=None) -> "NodalEngine":
+        """The same engine with constants in another dtype/device."""
+        ref = torch.empty(0, dtype=dtype or self.dtype, device=device or self.device)
+        return NodalEngine(self.topology, convert_like(self.constants, ref), self.integrator, self.options)
+
+    def _check_constraints(self) -> None:
+        c = self.constants.map(lambda t: t.double() if t.is_floating_point() else t)
+        if c.Cb_q.shape[0] == 0:
+            return
+        der = prepare(c, self.default_params().map(lambda t: t.double()))
+        Q = reduce(c, torch.as_tensor(self.topology.X0, dtype=torch.float64).unsqueeze(0))
+        d = Q @ c.Cbt + c.dcT
+        A = der.Gc * (d.mT @ d)
+        ev = torch.linalg.eigvalsh(A[0])
+        if ev.min() <= 1e-10 * ev.max():
+            raise ValueError(f"structure {self.structure.name!r}: the bar-length constraints are redundant "
+                             "(singular constraint matrix); remove a redundant bar")
+
+    # ---- API ---------------------------------------------------------------------------------
+    def default_params(self, batch: Optional[int] = None) -> Params:
+        """Params from the structure file values (``batch``: leading batch dim of copies)."""
+        return params_from_structure(self.structure, batch, self.dtype, self.device)
+
+    def initial_state(self, positions: Optional[torch.Tensor] = None, velocities: Optional[torch.Tensor] = None,
+                      batch: int = 1) -> State:
+        """State from positions (N, 3) or (B, N, 3) m (default: the file's) and velocities m/s (default 0).
+
+        Linear constraints are enforced (X = T Q + X_c from the independent nodes' rows); bar lengths are
+        not (use :meth:`project` if the positions come from measurements).
+        """
+        c = self.constants
+        X = torch.as_tensor(self.topology.X0, dtype=self.dtype, device=self.device) if positions is None \
+            else torch.as_tensor(positions, dtype=self.dtype, device=self.device)
+        X = unsqueeze_batch(X, 2)
+        V = torch.zeros_like(X) if velocities is None else unsqueeze_batch(
+            torch.as_tensor(velocities, dtype=X.dtype, device=X.device), 2)
+        B = max(X.shape[0], V.shape[0], batch)
+        X, V = X.expand(B, *X.shape[1:]), V.expand(B, *V.shape[1:])
+        c = convert_like(c, X)
+        return State(expand(c, reduce(c, X)), expand_velocity(c, reduce(c, V)))
+
+    def step(self, params: Params, state: State, inputs: Optional[Inputs] = None, dt: float = 1e-3) -> State:
+        """One step of ``dt`` seconds. state: (B, N, 3); inputs: (B, A) / (B, N, 3) fields (or None)."""
+        return step(self.constants, params, state, inputs, dt, self.integrator, self.options)
+
+    def rollout(self, params: Params, state0: State, inputs: Optional[Inputs] = None, dt: float = 1e-3,
+                steps: Optional[int] = None) -> State:
+        """T steps; inputs (T, B, ...); returns states (T, B, N, 3) after each step."""
+        return rollout(self.constants, params, state0, inputs, dt, self.integrator, self.options, steps)
+
+    @property
+    def compiled_step(self):
+        """``torch.compile``d :meth:`step` (same signature and results). Inductor cache: build/torchinductor."""
+        setup_compile()
+        fn = torch.compile(step, dynamic=False)
+        c, integ, opts = self.constants, self.integrator, self.options
+
+        def compiled(params, state, inputs=None, dt=1e-3):
+            return fn(c, params, state, inputs, dt, integ, opts)
+
+        return compiled
+
+    def project(self, params: Params, state: State, iters: int = 3) -> State:
+        """State projected onto the bar lengths (positions, then velocities), mass-weighted."""
+        c = convert_like(self.constants, state.positions)
+        der = prepare(c, convert_like(params, state.positions))
+        Q, V = reduce(c, state.positions), reduce(c, state.velocities)
+        for _ in range(iters):
+            d = Q @ c.Cbt + c.dcT
+            Ainv = spd_inverse(der.Gc * (d.mT @ d), "lapack") if c.Cb_q.shape[0] else None
+            Q, V = project(c, der, Q, V, Ainv, 1)
+        return State(expand(c, Q), expand_velocity(c, V))
+
+    def bar_length_error(self, state: State) -> torch.Tensor:
+        """(B,) (or (T, B) for rollouts) max relative bar-length error."""
+        return bar_length_error(self.constants, state.positions)
+
+    def energy(self, params: Params, state: State, motor_angles=None) -> torch.Tensor:
+        """(B,) total energy, J (see :func:`energy`)."""
+        return energy(self.constants, params, state, motor_angles)
+
+    def string_state(self, params: Params, state: State, inputs: Optional[Inputs] = None) -> StringState:
+        """Lengths, stretches and tensions (B, S) of every composite string."""
+        u = None if inputs is None else inputs.motor_angles
+        ud = None if inputs is None else inputs.motor_velocities
+        return full_string_state(self.constants, params, state.positions, state.velocities, u, ud)
+
+    def string_unit_forces(self, params: Params, state: State, inputs: Optional[Inputs] = None) -> StringUnitForces:
+        u = None if inputs is None else inputs.motor_angles
+        ud = None if inputs is None else inputs.motor_velocities
+        return string_unit_forces(self.constants, state.positions, state.velocities, u, params, ud)
+
+    def mass_matrix(self, params: Params, reduced: bool = True) -> torch.Tensor:
+        """M_q (..., n_free, n_free) (reduced) or M_full (..., N, N), kg."""
+        c = convert_like(self.constants, params.mass)
+        if reduced:
+            return reduced_mass_matrix(c, params.mass)
+        return torch.einsum("...b,bnm->...nm", params.mass, c.E)

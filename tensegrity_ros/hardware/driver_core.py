@@ -1,0 +1,529 @@
+"""The rclpy-free core of the Dynamixel driver node.
+
+:class:`DriverCore` runs one control cycle at a time (``cycle(now)``): read the motor states,
+compute the goals from the active command source through the :class:`~.safety.SafetyFilter`,
+sync-write them, and return a typed :class:`MotorStates` record plus :class:`DriverStats`. The
+bus is a :class:`~.dynamixel.bus.DynamixelBus` on a real port or on the emulator's pty: the same
+SDK code path either way; :func:`make_bus` picks one from ``bus: real|emulated``.
+
+Torque goes off on every exit path: :meth:`DriverCore.shutdown` (idempotent) is called by
+``run()``'s ``finally``, by ``__exit__``, by the node's ``destroy_node``/signal handlers, and the
+bus itself has an ``atexit`` hook. A fatal condition inside ``cycle`` (hardware error with a
+shutdown bit, a motor missing) turns torque off *before* the typed error propagates.
+
+Angles: commands, limits and published states are motor angles in rad (0 = the control table's
+zero tick: 2048 on X, 0 on PRO), exactly the ``u`` of the string law in docs/CONTRACTS.md; the
+actuator's ``direction``/``zero_offset``/``spool_radius`` belong to the string model, not here.
+
+:class:`RateScheduler` is a fixed-rate loop helper with absolute deadlines (no drift), measuring
+the period jitter and the missed cycles.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .dynamixel.bus import DynamixelBus, MotorReading
+from .dynamixel.errors import HardwareError, MotorMissing
+from .dynamixel.tables import decode_hardware_error, get_table
+from .safety import Action, SafetyConfig, SafetyFilter, State
+
+log = logging.getLogger(__name__)
+
+COMMAND_SOURCES = ("reference", "topic", "hold")
+
+
+# ---- records ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MotorStates:
+    """One cycle's measurement, in actuator order."""
+
+    stamp: float
+    names: Tuple[str, ...]
+    motor_ids: Tuple[int, ...]
+    positions: Tuple[float, ...]    # rad (last known value when not ``valid``)
+    velocities: Tuple[float, ...]   # rad/s
+    efforts: Tuple[float, ...]      # A (Present Current)
+    errors: Tuple[int, ...]         # Hardware Error Status bits
+    valid: Tuple[bool, ...]         # False when the motor did not answer this cycle
+    goals: Tuple[float, ...]        # goals written this cycle (rad)
+
+
+@dataclass
+class DriverStats:
+    cycles: int = 0
+    missed_cycles: int = 0
+    loop_rate_hz: float = 0.0
+    period_median_s: float = 0.0
+    period_p99_s: float = 0.0
+    jitter_p99_s: float = 0.0
+    read_failures: int = 0
+    state: str = "init"
+    command_source: str = "hold"
+    motor_counters: Dict[int, Dict[str, int]] = field(default_factory=dict)
+    safety_counters: Dict[str, int] = field(default_factory=dict)
+    hardware_errors: Dict[int, int] = field(default_factory=dict)
+    last_error: str = ""
+
+
+# ---- fixed-rate scheduler -------------------------------------------------------------------------
+class RateScheduler:
+    """Absolute-deadline fixed-rate loop.
+
+    ``wait()`` sleeps until the next deadline ``t0 + k * period`` (never ``sleep(period)``, so
+    the loop does not drift). If the caller overran by a whole period or more, the skipped
+    deadlines are counted in ``missed`` and the schedule jumps forward instead of bursting.
+    """
+
+    def __init__(self, rate_hz: float = 80.0, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep, window: int = 4096):
+        if not rate_hz > 0:
+            raise ValueError("rate_hz must be > 0")
+        self.rate_hz = float(rate_hz)
+        self.period = 1.0 / self.rate_hz
+        self.clock, self.sleep = clock, sleep
+        self.window = int(window)
+        self.t0: Optional[float] = None
+        self.k = 0
+        self.missed = 0
+        self.cycles = 0
+        self._last_wake: Optional[float] = None
+        self._periods: List[float] = []
+
+    def start(self, now: Optional[float] = None) -> float:
+        self.t0 = self.clock() if now is None else now
+        self.k = 0
+        self._last_wake = self.t0
+        return self.t0
+
+    def wait(self) -> float:
+        """Sleep until the next deadline; returns the wake-up time."""
+        if self.t0 is None:
+            return self.start()
+        self.k += 1
+        deadline = self.t0 + self.k * self.period
+        now = self.clock()
+        late = now - deadline
+        if late >= self.period * (1 - 1e-9):
+            skipped = int(math.floor(late / self.period + 1e-9))
+            self.missed += skipped
+            self.k += skipped
+            deadline = self.t0 + self.k * self.period
+        while True:
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                break
+            self.sleep(remaining)
+        wake = self.clock()
+        if self._last_wake is not None:
+            self._periods.append(wake - self._last_wake)
+            if len(self._periods) > self.window:
+                del self._periods[: len(self._periods) - self.window]
+        self._last_wake = wake
+        self.cycles += 1
+        return wake
+
+    def periods(self) -> np.ndarray:
+        return np.asarray(self._periods, dtype=float)
+
+    def summary(self) -> Dict[str, float]:
+        p = self.periods()
+        if p.size == 0:
+            return {"rate_hz": 0.0, "period_median_s": 0.0, "period_p99_s": 0.0, "jitter_median_s": 0.0,
+                    "jitter_p99_s": 0.0, "missed_cycles": self.missed, "cycles": self.cycles}
+        jitter = np.abs(p - self.period)
+        return {"rate_hz": float(1.0 / np.mean(p)), "period_median_s": float(np.median(p)),
+                "period_p99_s": float(np.percentile(p, 99)), "jitter_median_s": float(np.median(jitter)),
+                "jitter_p99_s": float(np.percentile(jitter, 99)), "missed_cycles": self.missed,
+                "cycles": self.cycles}
+
+
+# ---- configuration ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MotorSpec:
+    """Minimal actuator record (duck-type compatible with ``tensegrity_ros.model.Actuator``)."""
+
+    name: str
+    motor_id: int
+    model: str = "xm430"
+    limits: Tuple[float, float] = (-math.pi, math.pi)
+    spool_radius: float = 0.0
+    direction: int = 1
+    zero_offset: float = 0.0
+
+
+@dataclass(frozen=True)
+class BusConfig:
+    """A bus YAML (``config/hardware/*.yaml``)."""
+
+    bus: str = "real"                 # real | emulated
+    port: str = "/dev/ttyUSB0"        # for emulated: optional symlink path ("" = none)
+    baud: int = 1_000_000
+    rate_hz: float = 80.0
+    watchdog_s: float = 0.25
+    max_rate_rad_s: float = 1.0
+    ramp_s: float = 1.0
+    retries: int = 2
+    missing_after: int = 3
+    fast_sync_read: Optional[bool] = None
+    latency_ms: Optional[float] = None
+    motors: Tuple[MotorSpec, ...] = ()
+    emulator: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "BusConfig":
+        known = {"bus", "port", "baud", "rate_hz", "watchdog_s", "max_rate_rad_s", "ramp_s", "retries",
+                 "missing_after", "fast_sync_read", "latency_ms", "motors", "emulator"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown bus config keys {sorted(unknown)}; known: {sorted(known)}")
+        motors = []
+        for m in d.get("motors") or []:
+            lim = m.get("limits", (-math.pi, math.pi))
+            motors.append(MotorSpec(name=str(m.get("name", f"motor_{m['id']}")), motor_id=int(m["id"]),
+                                    model=str(m.get("model", "xm430")),
+                                    limits=(float(lim[0]), float(lim[1]))))
+        for m in motors:
+            get_table(m.model)  # validate model names early
+        kind = str(d.get("bus", "real"))
+        if kind not in ("real", "emulated"):
+            raise ValueError(f"bus must be 'real' or 'emulated', got {kind!r}")
+        fsr = d.get("fast_sync_read")
+        lat = d.get("latency_ms")
+        return cls(bus=kind, port=str(d.get("port", "/dev/ttyUSB0") or ""), baud=int(d.get("baud", 1_000_000)),
+                   rate_hz=float(d.get("rate_hz", 80.0)), watchdog_s=float(d.get("watchdog_s", 0.25)),
+                   max_rate_rad_s=float(d.get("max_rate_rad_s", 1.0)), ramp_s=float(d.get("ramp_s", 1.0)),
+                   retries=int(d.get("retries", 2)), missing_after=int(d.get("missing_after", 3)),
+                   fast_sync_read=None if fsr is None else bool(fsr),
+                   latency_ms=None if lat is None else float(lat), motors=tuple(motors),
+                   emulator=dict(d.get("emulator") or {}))
+
+
+def load_bus_config(path: str) -> BusConfig:
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    return BusConfig.from_dict(data)
+
+
+def resolve_actuators(config: BusConfig, actuators: Optional[Sequence] = None) -> Tuple:
+    """The actuators to drive: the structure file's if given (cross-checked against the bus
+    config's motor list when that has one), else the bus config's motor list."""
+    if actuators is None:
+        if not config.motors:
+            raise ValueError("no actuators: give a structure file or a 'motors' list in the bus config")
+        return tuple(config.motors)
+    actuators = tuple(actuators)
+    if config.motors:
+        want = {m.motor_id: get_table(m.model).model for m in config.motors}
+        have = {a.motor_id: get_table(a.model).model for a in actuators}
+        if want != have:
+            raise ValueError(f"bus config motors {want} do not match the structure's actuators {have} "
+                             f"(id: model); fix one of them")
+    return actuators
+
+
+def make_bus(config: BusConfig, actuators: Sequence, emulator_options: Optional[Mapping[str, Any]] = None):
+    """(DynamixelBus, EmulatedBus or None) for ``config.bus`` = real | emulated.
+
+    Either way the returned DynamixelBus talks to a serial device through dynamixel_sdk; for
+    ``emulated`` the device is an :class:`~.dynamixel.emulator.EmulatedBus` pty started here
+    (the caller owns it and must ``stop()`` it after closing the bus).
+    """
+    motors = {int(a.motor_id): str(a.model) for a in actuators}
+    common = dict(retries=config.retries, fast_sync_read=config.fast_sync_read,
+                  missing_after=config.missing_after, latency_ms=config.latency_ms)
+    if config.bus == "real":
+        return DynamixelBus(config.port, config.baud, motors, **common), None
+    from .dynamixel.emulator import EmulatedBus, FaultConfig
+
+    opts = dict(config.emulator)
+    opts.update(emulator_options or {})
+    faults = opts.pop("faults", None)
+    if isinstance(faults, Mapping):
+        faults = FaultConfig(drop_probability=float(faults.get("drop_probability", 0.0)),
+                             corrupt_crc_probability=float(faults.get("corrupt_crc_probability", 0.0)),
+                             hardware_errors={int(k): int(v) for k, v in (faults.get("hardware_errors") or {}).items()},
+                             silent_ids=set(int(i) for i in faults.get("silent_ids") or ()))
+    emu = EmulatedBus(list(motors), motors, baud=config.baud, link_path=config.port or None, faults=faults, **opts)
+    return DynamixelBus(emu.port, config.baud, motors, **common), emu
+
+
+# ---- command sources ------------------------------------------------------------------------------------
+ReferenceFn = Callable[[float], Sequence[float]]
+
+
+class DriverCore:
+    """One control loop over a bus; see the module docstring.
+
+    Args:
+        bus: a :class:`DynamixelBus` (opened by :meth:`start` if needed).
+        actuators: objects with ``.name, .motor_id, .model, .limits`` (and the string-model fields).
+        rate_hz: loop rate for :meth:`run`.
+        reference: t -> goal angles (rad, actuator order), t in s since the reference source
+            became active.
+        command_source: "reference" | "topic" | "hold".
+    """
+
+    def __init__(self, bus: DynamixelBus, actuators: Sequence, *, rate_hz: float = 80.0,
+                 max_rate_rad_s: float = 1.0, watchdog_s: float = 0.25, ramp_s: float = 1.0,
+                 command_source: str = "hold", reference: Optional[ReferenceFn] = None,
+                 clock: Callable[[], float] = time.monotonic, operating_mode: str = "position",
+                 emulator: Any = None):
+        self.bus = bus
+        self.actuators = tuple(actuators)
+        if not self.actuators:
+            raise ValueError("no actuators")
+        ids = [int(a.motor_id) for a in self.actuators]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate motor ids {ids}")
+        missing = [i for i in ids if i not in bus.tables]
+        if missing:
+            raise ValueError(f"motor ids {missing} are not on the bus {list(bus.tables)}")
+        self.names = tuple(a.name for a in self.actuators)
+        self.ids = tuple(ids)
+        self.tables = [bus.tables[i] for i in ids]
+        bounds = [t.angle_range for t in self.tables]
+        self.safety = SafetyFilter(SafetyConfig.from_actuators(
+            self.actuators, max_rate_rad_s=max_rate_rad_s, watchdog_s=watchdog_s, ramp_s=ramp_s, bounds=bounds))
+        self.rate_hz = float(rate_hz)
+        self.clock = clock
+        self.operating_mode = operating_mode
+        self.emulator = emulator
+        self._reference = reference
+        self._ref_t0 = 0.0
+        if command_source not in COMMAND_SOURCES:
+            raise ValueError(f"command_source must be one of {COMMAND_SOURCES}")
+        if command_source == "reference" and reference is None:
+            raise ValueError("command_source 'reference' needs a reference function")
+        self.command_source = command_source
+        self._topic_goal: Optional[np.ndarray] = None
+        self._topic_stamp: Optional[float] = None
+        self._lock = threading.RLock()
+        self._n = len(ids)
+        self._pos = np.full(self._n, np.nan)
+        self._vel = np.zeros(self._n)
+        self._eff = np.zeros(self._n)
+        self._goals = np.full(self._n, np.nan)
+        self.stats = DriverStats(command_source=command_source)
+        self._cycle_times: List[float] = []
+        self._started = False
+        self._shut = False
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self, now: Optional[float] = None, settle_reads: int = 5) -> MotorStates:
+        """Open the bus, set position mode, hold the present positions and enable torque."""
+        now = self.clock() if now is None else now
+        try:
+            if not self.bus.is_open:
+                self.bus.open()
+            self.bus.set_operating_mode(self.operating_mode, self.ids)
+            readings: Dict[int, MotorReading] = {}
+            for _ in range(settle_reads):
+                readings.update(self.bus.read_states())
+                if all(i in readings for i in self.ids):
+                    break
+            missing = [i for i in self.ids if i not in readings]
+            if missing:
+                raise MotorMissing(missing[0], "no state read at start")
+            self.bus.raise_on_hardware_error()
+            present = np.array([readings[i].position_rad for i in self.ids])
+            self.safety.reset(present, now)
+            self._ref_t0 = now
+            self.bus.enable_torque(self.ids, hold_present=True)
+            self._started = True
+            self._shut = False
+            self._update_from(readings)
+            self._goals = self.safety.last_goal.copy()
+            self.stats.state = self.safety.state.value
+            return self._states(now, readings)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Torque off and close the bus (idempotent; safe from any thread)."""
+        if self._shut:
+            return
+        self._shut = True
+        try:
+            self.bus.close()
+        finally:
+            self.stats.state = "shutdown"
+
+    def __enter__(self) -> "DriverCore":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- commands -------------------------------------------------------------------------------
+    def set_command_source(self, source: str, now: Optional[float] = None) -> None:
+        """Switch the command source; the goals blend from the current ones over ``ramp_s``."""
+        if source not in COMMAND_SOURCES:
+            raise ValueError(f"unknown command source {source!r}; use one of {COMMAND_SOURCES}")
+        if source == "reference" and self._reference is None:
+            raise ValueError("no reference loaded")
+        now = self.clock() if now is None else now
+        with self._lock:
+            if source == self.command_source:
+                return
+            self.command_source = source
+            if source == "reference":
+                self._ref_t0 = now
+            if source == "topic":
+                self._topic_goal, self._topic_stamp = None, None
+            self.safety.begin_switch(now)
+            self.stats.command_source = source
+
+    def set_reference(self, reference: ReferenceFn, now: Optional[float] = None) -> None:
+        with self._lock:
+            self._reference = reference
+            self._ref_t0 = self.clock() if now is None else now
+
+    def set_topic_command(self, goals: Union[Sequence[float], Mapping[str, float]],
+                          stamp: Optional[float] = None) -> None:
+        """A goal command (rad) from the topic: actuator-order sequence or {name: angle} (missing
+        names keep their current goal). ``stamp`` (driver clock) defaults to now."""
+        stamp = self.clock() if stamp is None else stamp
+        with self._lock:
+            base = self._topic_goal if self._topic_goal is not None else \
+                (self.safety.last_goal if self.safety.last_goal is not None else np.full(self._n, np.nan))
+            if isinstance(goals, Mapping):
+                g = np.array(base, dtype=float, copy=True)
+                for name, v in goals.items():
+                    if name not in self.names:
+                        raise KeyError(f"unknown actuator {name!r}; known: {self.names}")
+                    g[self.names.index(name)] = float(v) if v is not None else np.nan
+            else:
+                g = np.array(goals, dtype=float).reshape(-1)
+                if g.size != self._n:
+                    raise ValueError(f"command has {g.size} entries, expected {self._n}")
+            self._topic_goal, self._topic_stamp = g, stamp
+
+    def _target(self, now: float) -> Tuple[Optional[np.ndarray], Optional[float], bool]:
+        """(goals or None = hold, command stamp, check the watchdog). Called with ``_lock`` held."""
+        src = self.command_source
+        if src == "hold":
+            return None, None, False
+        if src == "topic":
+            if self._topic_goal is None:
+                return None, None, False
+            return self._topic_goal.copy(), self._topic_stamp, True
+        try:
+            g = np.asarray(self._reference(now - self._ref_t0), dtype=float).reshape(-1)
+        except Exception as e:  # a broken reference holds the goal, it does not kill the loop
+            log.error("reference generator failed: %s", e)
+            return None, None, False
+        return g, None, False
+
+    # ---- the cycle -------------------------------------------------------------------------------
+    def cycle(self, now: Optional[float] = None) -> Tuple[MotorStates, DriverStats]:
+        """Read, compute safe goals, write. Raises typed DynamixelErrors after turning torque off."""
+        if not self._started or self._shut:
+            raise RuntimeError("DriverCore.start() first (or it was shut down)")
+        now = self.clock() if now is None else now
+        try:
+            readings = self.bus.read_states()
+            self.stats.read_failures = sum(1 for i in self.ids if i not in readings)
+            self._update_from(readings)
+            hw = {i: self.bus.hardware_errors.get(i, 0) for i in self.ids}
+            with self._lock:  # the command source may be switched from another thread
+                target, stamp, check = self._target(now)
+                out = self.safety.step(now, target, command_stamp=stamp, hardware_errors=hw, check_watchdog=check)
+            if out.action is Action.TORQUE_OFF_ALL:
+                failed = self.bus.disable_torque()
+                bad = next((i for i in self.ids if hw.get(i)), None)
+                if failed:
+                    log.error("torque off not confirmed on %s", failed)
+                if bad is not None:
+                    raise HardwareError(bad, hw[bad], decode_hardware_error(hw[bad]))
+                raise HardwareError(self.ids[0], 0, ("safety filter stopped: " + self.safety.stop_reason,))
+            self.bus.write_goals({i: float(g) for i, g in zip(self.ids, out.goals)})
+            self._goals = out.goals
+        except BaseException as e:
+            self.stats.last_error = f"{type(e).__name__}: {e}"
+            self._emergency_off()
+            raise
+        self._note_cycle(now)
+        return self._states(now, readings), self._snapshot_stats()
+
+    def _emergency_off(self) -> None:
+        if self.safety.state is not State.STOPPED:
+            self.safety.stop(self.stats.last_error or "exception")
+        try:
+            if self.bus.is_open:
+                self.bus.disable_torque()
+        except Exception:
+            log.exception("torque off after an error failed; closing the bus")
+            try:
+                self.bus.close()
+            except Exception:
+                pass
+
+    def _update_from(self, readings: Mapping[int, MotorReading]) -> None:
+        for k, i in enumerate(self.ids):
+            r = readings.get(i)
+            if r is not None:
+                self._pos[k], self._vel[k], self._eff[k] = r.position_rad, r.velocity_rad_s, r.current_a
+
+    def _states(self, now: float, readings: Mapping[int, MotorReading]) -> MotorStates:
+        return MotorStates(
+            stamp=now, names=self.names, motor_ids=self.ids, positions=tuple(float(x) for x in self._pos),
+            velocities=tuple(float(x) for x in self._vel), efforts=tuple(float(x) for x in self._eff),
+            errors=tuple(int(self.bus.hardware_errors.get(i, 0)) for i in self.ids),
+            valid=tuple(i in readings for i in self.ids), goals=tuple(float(x) for x in self._goals))
+
+    def _note_cycle(self, now: float) -> None:
+        self.stats.cycles += 1
+        self._cycle_times.append(now)
+        if len(self._cycle_times) > 4 * max(int(self.rate_hz), 1):
+            del self._cycle_times[: len(self._cycle_times) - 4 * max(int(self.rate_hz), 1)]
+        if len(self._cycle_times) >= 2:
+            span = self._cycle_times[-1] - self._cycle_times[0]
+            if span > 0:
+                self.stats.loop_rate_hz = (len(self._cycle_times) - 1) / span
+
+    def _snapshot_stats(self) -> DriverStats:
+        s = self.stats
+        s.state = self.safety.state.value
+        s.motor_counters = {i: dict(vars(c)) for i, c in self.bus.counters.items()}
+        s.safety_counters = dict(vars(self.safety.counters))
+        s.hardware_errors = dict(self.bus.hardware_errors)
+        return s
+
+    # ---- loop ------------------------------------------------------------------------------------------
+    def run(self, duration_s: Optional[float] = None, stop_event: Optional[threading.Event] = None,
+            on_cycle: Optional[Callable[[MotorStates, DriverStats], None]] = None,
+            scheduler: Optional[RateScheduler] = None) -> DriverStats:
+        """Start (if needed) and run at ``rate_hz`` until ``duration_s`` or ``stop_event``; torque
+        off and bus closed on every way out."""
+        sched = scheduler or RateScheduler(self.rate_hz, clock=self.clock)
+        try:
+            if not self._started:
+                self.start()
+            t_end = None if duration_s is None else self.clock() + duration_s
+            sched.start()
+            while not (stop_event is not None and stop_event.is_set()):
+                now = sched.wait()
+                if t_end is not None and now >= t_end:
+                    break
+                states, stats = self.cycle(now)
+                stats.missed_cycles = sched.missed
+                summ = sched.summary()
+                stats.period_median_s, stats.period_p99_s = summ["period_median_s"], summ["period_p99_s"]
+                stats.jitter_p99_s = summ["jitter_p99_s"]
+                if on_cycle is not None:
+                    on_cycle(states, stats)
+        finally:
+            self.shutdown()
+        self.stats.missed_cycles = sched.missed
+        return self.stats

@@ -1,0 +1,236 @@
+"""Identification data: a :class:`Dataset` record over arrays, windows and derivative estimates.
+
+A dataset is one contiguous recording (mocap times ``t`` (T,) s, strictly increasing):
+
+* ``positions`` (T, N, 3) m: positions of ALL structure nodes (structure order, structure frame). Virtual
+  and fixed nodes may be NaN / invalid: the regression and the refinement only use the independent
+  ("free") nodes and rebuild the others through the structure's linear constraints.
+* ``valid`` (T, N) bool: which samples are measurements (NaN positions are never valid).
+* ``motor_angles`` (T, A) rad or None, aligned to the mocap time (the motor-to-mocap delay is a parameter
+  of the refinement, not of the data).
+* ``external_forces`` (T, N, 3) N or None: known external forces (nodal engine); ``control_forces``
+  (T, R, 3) N and ``control_arms`` (T, R, 3) m (spring-rod engine, scaled by ``control_force_scalar``).
+* ``dt`` s: the nominal sampling period (median of the stamps' differences).
+
+All functions are pure; nothing here imports torch or ROS.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .errors import DataError
+
+__all__ = ["DataError", "Dataset", "Window", "Derivatives", "make_dataset", "derivatives", "cut_windows",
+           "add_marker_noise", "drop_frames"]
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """One contiguous recording (see the module docstring for shapes and units)."""
+
+    times: np.ndarray
+    positions: np.ndarray
+    valid: np.ndarray
+    dt: float
+    motor_angles: Optional[np.ndarray] = None
+    external_forces: Optional[np.ndarray] = None
+    control_forces: Optional[np.ndarray] = None
+    control_arms: Optional[np.ndarray] = None
+    #: optional exact velocities (T, N, 3) m/s (simulated data); never required
+    velocities: Optional[np.ndarray] = None
+    node_names: Tuple[str, ...] = ()
+    actuator_names: Tuple[str, ...] = ()
+    name: str = ""
+
+    # ---- sizes --------------------------------------------------------------------------------
+    @property
+    def n_samples(self) -> int:
+        return int(self.times.shape[0])
+
+    @property
+    def n_nodes(self) -> int:
+        return int(self.positions.shape[1])
+
+    @property
+    def duration(self) -> float:
+        return float(self.times[-1] - self.times[0]) if self.n_samples else 0.0
+
+    def slice(self, start: int, stop: int) -> "Dataset":
+        """Samples [start, stop) as a new dataset (arrays are views)."""
+        kw = {}
+        for f in ("times", "positions", "valid", "motor_angles", "external_forces", "control_forces",
+                  "control_arms", "velocities"):
+            v = getattr(self, f)
+            kw[f] = None if v is None else v[start:stop]
+        return dataclasses.replace(self, **kw)
+
+    def subsample(self, every: int) -> "Dataset":
+        """Every ``every``-th sample (e.g. a 1 kHz simulation seen at a lower rate)."""
+        kw = {}
+        for f in ("times", "positions", "valid", "motor_angles", "external_forces", "control_forces",
+                  "control_arms", "velocities"):
+            v = getattr(self, f)
+            kw[f] = None if v is None else v[::every]
+        return dataclasses.replace(self, dt=self.dt * every, **kw)
+
+
+@dataclass(frozen=True)
+class Window:
+    """A window of a dataset: ``data`` = samples [start, stop) of ``source`` (index ``index`` in a cut)."""
+
+    data: Dataset
+    start: int
+    stop: int
+    index: int = 0
+
+
+def make_dataset(times, positions, valid=None, motor_angles=None, *, external_forces=None, control_forces=None,
+                 control_arms=None, velocities=None, node_names=(), actuator_names=(), name="",
+                 dt: Optional[float] = None) -> Dataset:
+    """Validate and assemble a :class:`Dataset` (copies to float64 / bool; NaN positions become invalid).
+
+    Raises :class:`DataError` on wrong shapes, non-increasing or non-finite stamps.
+    """
+    t = np.asarray(times, dtype=np.float64).reshape(-1)
+    X = np.asarray(positions, dtype=np.float64)
+    if X.ndim != 3 or X.shape[2] != 3 or X.shape[0] != t.shape[0]:
+        raise DataError(f"positions must be (T, N, 3) with T = len(times) = {t.shape[0]}; got {X.shape}")
+    if not np.all(np.isfinite(t)):
+        raise DataError("times contain non-finite values")
+    if t.size > 1 and np.any(np.diff(t) <= 0):
+        raise DataError("times must be strictly increasing")
+    finite = np.all(np.isfinite(X), axis=2)
+    if valid is None:
+        V = finite
+    else:
+        V = np.asarray(valid, dtype=bool)
+        if V.shape != X.shape[:2]:
+            raise DataError(f"valid must be (T, N) = {X.shape[:2]}; got {V.shape}")
+        V = V & finite
+
+    def opt(a, shape_tail, what):
+        if a is None:
+            return None
+        a = np.asarray(a, dtype=np.float64)
+        if a.shape[0] != t.shape[0] or (shape_tail is not None and a.shape[1:] != shape_tail):
+            raise DataError(f"{what} must have shape (T, ...) with T = {t.shape[0]}; got {a.shape}")
+        return a
+
+    U = opt(motor_angles, None, "motor_angles")
+    if U is not None:
+        if U.ndim == 1:
+            U = U[:, None]
+        if not np.all(np.isfinite(U)):
+            raise DataError("motor_angles contain non-finite values (interpolate or cut the window)")
+    if dt is None:
+        dt = float(np.median(np.diff(t))) if t.size > 1 else 0.0
+    return Dataset(times=t, positions=X, valid=V, dt=float(dt), motor_angles=U,
+                   external_forces=opt(external_forces, X.shape[1:], "external_forces"),
+                   control_forces=opt(control_forces, None, "control_forces"),
+                   control_arms=opt(control_arms, None, "control_arms"),
+                   velocities=opt(velocities, X.shape[1:], "velocities"),
+                   node_names=tuple(node_names), actuator_names=tuple(actuator_names), name=name)
+
+
+def cut_windows(data: Dataset, length: int, stride: Optional[int] = None, *, min_valid_fraction: float = 0.5,
+                nodes: Optional[Sequence[int]] = None) -> List[Window]:
+    """Windows of ``length`` samples every ``stride`` samples (default: ``length``, contiguous).
+
+    A window is kept when at least ``min_valid_fraction`` of its (sample, node) entries over ``nodes``
+    (default: all nodes) are valid and its first sample is valid for all those nodes (a window start is
+    initialised from a measured state).
+    """
+    stride = length if stride is None else int(stride)
+    if length < 2 or stride < 1:
+        raise ValueError("cut_windows: length must be >= 2 and stride >= 1")
+    idx = np.arange(data.n_nodes) if nodes is None else np.asarray(nodes, dtype=int)
+    out: List[Window] = []
+    for k, s in enumerate(range(0, data.n_samples - length + 1, stride)):
+        v = data.valid[s:s + length][:, idx]
+        if not v[0].all() or v.mean() < min_valid_fraction:
+            continue
+        out.append(Window(data.slice(s, s + length), s, s + length, len(out)))
+    return out
+
+
+class Derivatives(NamedTuple):
+    """Positions, velocities, accelerations (T, N, 3) (m, m/s, m/s^2) and ok (T, N) bool."""
+
+    positions: np.ndarray
+    velocities: np.ndarray
+    accelerations: np.ndarray
+    ok: np.ndarray
+
+
+def derivatives(data: Dataset, method: str = "auto", *, window_s: Optional[float] = None,
+                order: int = 2) -> Derivatives:
+    """Velocity and acceleration estimates from the positions.
+
+    method:
+      ``semi_implicit``: exact for data made by a semi-implicit (symplectic) Euler integrator sampled at
+        every step: v_t = (x_t - x_{t-1}) / h, a_t = (x_{t+1} - 2 x_t + x_{t-1}) / h^2 (needs uniform stamps);
+      ``central``: v_t = (x_{t+1} - x_{t-1}) / 2h, same a_t (second order for smooth data);
+      ``smooth``: local weighted polynomial fits over ``window_s`` (default 0.2 s; see
+        :func:`tensegrity_ros.mocap.filtering.smooth_derivatives`) -- for noisy or gappy data;
+      ``auto``: ``smooth`` when any sample is invalid or the stamps are irregular, else ``central``.
+    ``ok`` marks samples whose estimates used only valid samples.
+    """
+    t, X, V = data.times, data.positions, data.valid
+    T = data.n_samples
+    if T < 3:
+        raise DataError(f"derivatives need at least 3 samples, got {T}")
+    d = np.diff(t)
+    uniform = bool(np.all(np.abs(d - data.dt) <= 1e-6 * max(data.dt, 1e-12)))
+    if method == "auto":
+        method = "central" if (uniform and V.all()) else "smooth"
+    if method in ("semi_implicit", "central"):
+        if not uniform:
+            raise DataError(f"method {method!r} needs uniform stamps; use 'smooth'")
+        h = data.dt
+        Xz = np.where(V[..., None], X, 0.0)
+        vel = np.full_like(X, np.nan)
+        acc = np.full_like(X, np.nan)
+        acc[1:-1] = (Xz[2:] - 2 * Xz[1:-1] + Xz[:-2]) / h ** 2
+        if method == "semi_implicit":
+            vel[1:] = (Xz[1:] - Xz[:-1]) / h
+        else:
+            vel[1:-1] = (Xz[2:] - Xz[:-2]) / (2 * h)
+        ok = np.zeros(V.shape, dtype=bool)
+        ok[1:-1] = V[2:] & V[1:-1] & V[:-2]
+        vel = np.where(ok[..., None], vel, np.nan)
+        acc = np.where(ok[..., None], acc, np.nan)
+        pos = np.where(V[..., None], X, np.nan)
+        return Derivatives(pos, vel, acc, ok)
+    if method == "smooth":
+        from ..mocap.filtering import smooth_derivatives
+        w = 0.2 if window_s is None else float(window_s)
+        r = smooth_derivatives(t, X, V, window_s=w, order=max(2, order))
+        return Derivatives(r.positions, r.velocities, r.accelerations, r.valid)
+    raise ValueError(f"unknown derivative method {method!r} (valid: auto, semi_implicit, central, smooth)")
+
+
+# ---- synthetic measurement effects (benchmarks, tests) ------------------------------------------------
+def add_marker_noise(data: Dataset, std_m: float, rng: np.random.Generator) -> Dataset:
+    """Isotropic Gaussian noise of ``std_m`` (m, per axis) on every position."""
+    X = data.positions + rng.normal(0.0, std_m, size=data.positions.shape)
+    return dataclasses.replace(data, positions=X, velocities=None)
+
+
+def drop_frames(data: Dataset, fraction: float, rng: np.random.Generator, *, per_node: bool = False,
+                keep_first: bool = True) -> Dataset:
+    """Mark ``fraction`` of the frames (whole frames, or (frame, node) entries if ``per_node``) invalid and
+    NaN. ``keep_first`` keeps sample 0 (a window start needs a measured state)."""
+    T, N = data.valid.shape
+    if per_node:
+        drop = rng.random((T, N)) < fraction
+    else:
+        drop = np.repeat((rng.random(T) < fraction)[:, None], N, axis=1)
+    if keep_first:
+        drop[0] = False
+    V = data.valid & ~drop
+    X = np.where(V[..., None], data.positions, np.nan)
+    return dataclasses.replace(data, positions=X, valid=V, velocities=None)

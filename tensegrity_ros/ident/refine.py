@@ -1,0 +1,556 @@
+"""Stage 2: refine all parameters by differentiating through engine rollouts (multiple shooting).
+
+The recording is cut into short windows. Each window starts from the measured state (smoothed positions
+and velocities of the free nodes, projected onto the bar lengths), the engine is rolled out over the window
+with the recorded motor angles (interpolated at t - delay) and the predicted node positions are compared
+with the measured ones where valid:
+
+    loss = 1/n_obs sum_windows sum_samples sum_valid nodes |x_pred - x_meas|^2 / sigma^2
+           [+ continuity_weight * |end state of window k - start state of window k+1|^2 / sigma^2]
+           [+ prior_weight * |z - z_prior|^2]
+
+Optimised quantities (all unconstrained): the engine's unconstrained parameter vector (``to_unconstrained``:
+log stiffness, log damping, logit rest lengths, log masses, log spool radii, zero offsets, log control gain)
+restricted to the free entries (``kinds`` / ``free`` / ``ties``), the motor-to-mocap delay
+(``estimate_delay``, in units of 10 ms), and optionally per-window offsets of the initial positions (mm) and
+velocities (cm/s) (``optimize_initial_states``: true multiple shooting, removes the bias of noisy starts).
+
+Scale gauge: when every mass, stiffness and damping (and control gain) is free and no known force acts,
+the loss is exactly invariant to scaling them together (only ratios are identifiable). The optimiser then
+works in the complement of that direction and the final values are rescaled (loss unchanged) so that the
+total moving mass equals ``total_mass``.
+
+Optimiser: ``torch.optim.LBFGS`` with strong-Wolfe line search (default) or Adam (lr halved every
+``adam_halve_every`` iterations, the seed's schedule). Progress: ``callback(info)`` after every loss
+evaluation with info = {stage, iteration, evaluation, loss, params (name -> value), delay_s, time_s}.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from ..engine import Inputs, Params, from_unconstrained, make_engine, to_unconstrained
+from ..model import Structure
+from .data import Dataset, derivatives
+from .errors import DataError, DivergenceError, NotEnoughDataError
+
+__all__ = ["RefineOptions", "RefineResult", "refine", "RefineProblem", "SCALE_KINDS"]
+
+SCALE_KINDS = ("stiffness", "damping", "mass", "control_force_scalar")
+DELAY_UNIT_S = 0.01
+X0_UNIT_M = 1e-3
+V0_UNIT_MPS = 1e-2
+
+
+@dataclass(frozen=True)
+class RefineOptions:
+    """Stage-2 options.
+
+    kinds: parameter kinds that are free (``stiffness, damping, rest_length, mass, spool_radius,
+        zero_offset, control_force_scalar``); ``free``: explicit names instead (overrides ``kinds``).
+        NB: ``zero_offset`` and ``rest_length`` of an actuated string are collinear (only
+        xi00 - direction * radius * zero_offset is identifiable): free one of them.
+    known: ``{name: value}`` held fixed at that value.
+    ties: groups sharing one value (a kind name = all of that kind, or a tuple of names).
+    total_mass: scale anchor when only ratios are identifiable (default: the starting total moving mass).
+    estimate_delay / delay_s: the motor-to-mocap delay (motor angles used at t - delay), s, and its start.
+    window_s / stride_s / max_windows: multiple-shooting windows (length, spacing, cap; evenly spread).
+    sim_dt: engine step, s (default: the sampling period divided into steps <= max_sim_dt).
+    optimize_initial_states: per-window initial position/velocity offsets are optimised too.
+    continuity_weight: weight of the window-to-window continuity penalty (needs contiguous windows).
+    prior_weight: weight of |z - z_start|^2 on the free unconstrained parameters (regularisation).
+    noise_std_m: the position noise that normalises the loss (and the covariance when not estimated).
+    optimizer: ``lbfgs`` | ``adam``; max_iter: iterations; lr: step (1 for L-BFGS, 0.05 for Adam by
+        default); tolerance_grad / tolerance_change: L-BFGS stops; history_size: L-BFGS memory.
+    max_time_s: wall-time budget (the best point so far is returned).
+    smooth_window_s: smoothing window for the initial states of noisy data (see data.derivatives).
+    device / dtype: where the rollouts run (``"cuda"`` when present).
+    observed_nodes: node names compared (default: the free nodes).
+    """
+
+    kinds: Tuple[str, ...] = ("stiffness", "damping", "rest_length", "mass")
+    free: Optional[Tuple[str, ...]] = None
+    known: Mapping[str, float] = field(default_factory=dict)
+    ties: Tuple[Union[str, Tuple[str, ...]], ...] = ()
+    total_mass: Optional[float] = None
+    estimate_delay: bool = False
+    delay_s: float = 0.0
+    window_s: float = 0.25
+    stride_s: Optional[float] = None
+    max_windows: Optional[int] = None
+    sim_dt: Optional[float] = None
+    max_sim_dt: float = 2e-3
+    optimize_initial_states: bool = True
+    continuity_weight: float = 0.0
+    prior_weight: float = 0.0
+    noise_std_m: float = 1e-3
+    optimizer: str = "lbfgs"
+    max_iter: int = 50
+    lr: Optional[float] = None
+    adam_halve_every: int = 30
+    tolerance_grad: float = 1e-9
+    tolerance_change: float = 1e-12
+    history_size: int = 20
+    max_time_s: Optional[float] = None
+    derivative_method: str = "auto"
+    smooth_window_s: Optional[float] = None
+    device: Optional[str] = None
+    dtype: torch.dtype = torch.float64
+    observed_nodes: Optional[Tuple[str, ...]] = None
+
+    def __post_init__(self):
+        if self.optimizer not in ("lbfgs", "adam"):
+            raise ValueError(f"RefineOptions.optimizer = {self.optimizer!r} (valid: lbfgs, adam)")
+        if self.window_s <= 0:
+            raise ValueError("RefineOptions.window_s must be > 0")
+
+
+@dataclass
+class RefineResult:
+    """params: refined (unbatched, float64, CPU); delay_s; loss (normalised) and residual_rms_m (RMS of the
+    3-D position error over the observed samples, m) at the end;
+    history: one dict per loss evaluation {iteration, evaluation, loss, params, delay_s, time_s};
+    converged: the optimiser stopped on a tolerance (not on max_iter / time); problem: the
+    :class:`RefineProblem` (for the covariance); z / x0: the final free vector and initial-state offsets."""
+
+    params: Params
+    delay_s: float
+    loss: float
+    residual_rms_m: float
+    history: List[Dict[str, Any]]
+    converged: bool
+    iterations: int
+    evaluations: int
+    seconds: float
+    problem: "RefineProblem"
+    w: torch.Tensor
+    x0: Optional[torch.Tensor]
+    notes: List[str]
+
+
+# =====================================================================================================
+# problem setup
+# =====================================================================================================
+def _groups(names: List[str], free_names: List[str], ties) -> List[List[int]]:
+    index = {n: k for k, n in enumerate(names)}
+    kinds = [n.rpartition(".")[2] if "." in n else n for n in names]
+    assigned = set()
+    groups: List[List[int]] = []
+    free_set = set(free_names)
+    for tie in ties:
+        mem = [k for k, n in enumerate(names) if kinds[k] == tie and n in free_set] if isinstance(tie, str) else \
+            [index[n] for n in tie if n in index and n in free_set]
+        mem = [k for k in mem if k not in assigned]
+        if mem:
+            groups.append(mem)
+            assigned.update(mem)
+    for n in free_names:
+        k = index[n]
+        if k not in assigned:
+            groups.append([k])
+            assigned.add(k)
+    return groups
+
+
+class RefineProblem:
+    """The multiple-shooting problem: windows, targets, inputs and the map from the optimisation vector to
+    params. ``residuals(w, x0)`` gives the (masked, m) position residuals (for the Gauss-Newton covariance)."""
+
+    def __init__(self, structure: Structure, data: Sequence[Dataset], start: Params, opts: RefineOptions,
+                 backend: str = "nodal", integrator: str = "semi_implicit"):
+        self.opts = opts
+        dev = torch.device(opts.device) if opts.device else torch.device("cpu")
+        self.device, self.dtype = dev, opts.dtype
+        self.engine = make_engine(structure, backend=backend, integrator=integrator, dtype=opts.dtype, device=dev)
+        top = self.engine.topology
+        self.top = top
+        self.backend = backend
+        start = start.map(lambda t: t.detach().to(dtype=opts.dtype, device=dev))
+        if backend == "spring_rod" and start.control_force_scalar is None:
+            start = Params(start.stiffness, start.damping, start.rest_length, start.mass, start.spool_radius,
+                           start.zero_offset, torch.ones((), dtype=opts.dtype, device=dev), start.meta)
+        if opts.known:
+            start = start.with_values({k: v for k, v in opts.known.items() if k in start.named()})
+        self.template = start
+        self.names = start.names()
+        self.z_start = to_unconstrained(start).detach()
+        kinds = [n.rpartition(".")[2] if "." in n else n for n in self.names]
+        if opts.free is not None:
+            unknown = [n for n in opts.free if n not in self.names]
+            if unknown:
+                raise ValueError(f"RefineOptions.free: unknown parameter(s) {unknown}")
+            free = [n for n in self.names if n in set(opts.free)]
+        else:
+            free = [n for n, k in zip(self.names, kinds) if k in opts.kinds]
+        free = [n for n in free if n not in opts.known]
+        # bars welded to the world and strings never in the data cannot move anything: keep them out
+        movable = np.abs(top.Cb_q).sum(axis=1) > 0
+        bar_index = {b: i for i, b in enumerate(top.bar_names)}
+        free = [n for n in free if not (n.endswith(".mass") and not movable[bar_index[n.rpartition(".")[0]]])]
+        self.free_names = free
+        self.groups = _groups(self.names, free, opts.ties)
+        P, G = len(self.names), len(self.groups)
+        K = torch.zeros(P, G, dtype=opts.dtype, device=dev)
+        for g, mem in enumerate(self.groups):
+            K[mem, g] = 1.0
+        self.K = K
+        # scale gauge
+        scale_dir = torch.tensor([1.0 if k in SCALE_KINDS else 0.0 for k in kinds], dtype=opts.dtype, device=dev)
+        for b, mv in enumerate(movable):  # immovable masses do not carry the scale
+            if not mv:
+                scale_dir[self.names.index(f"{top.bar_names[b]}.mass")] = 0.0
+        has_known_force = any(d.external_forces is not None and np.any(d.external_forces) for d in data)
+        if any((d.control_forces is not None and np.any(d.control_forces)) for d in data) and \
+                "control_force_scalar" not in free:
+            has_known_force = True
+        scale_free = all((scale_dir[k] == 0) or (self.names[k] in free) for k in range(P))
+        self.gauge = bool(scale_free and not has_known_force and any(scale_dir[k] > 0 for k in range(P)))
+        self.scale_dir = scale_dir
+        self.movable = movable
+        if self.gauge:
+            sw = (K.T @ scale_dir > 0).to(opts.dtype)           # scale direction in group space
+            sw = sw / torch.linalg.vector_norm(sw)
+            Qm, _ = torch.linalg.qr(torch.cat([sw[:, None], torch.eye(G, dtype=opts.dtype, device=dev)], 1))
+            self.B = Qm[:, 1:G]                                  # orthonormal basis of the complement
+            self.sw = sw
+        else:
+            self.B = torch.eye(G, dtype=opts.dtype, device=dev)
+            self.sw = None
+        self.total_mass = opts.total_mass
+        if self.total_mass is None:
+            self.total_mass = float(start.mass[torch.as_tensor(movable, device=dev)].sum())
+        self.n_w = self.B.shape[1] + (1 if opts.estimate_delay else 0)
+        self._build_windows(data)
+
+    # ---------------------------------------------------------------------------------------------
+    def _build_windows(self, datasets: Sequence[Dataset]) -> None:
+        opts, top = self.opts, self.top
+        dt_obs = float(np.median([d.dt for d in datasets]))
+        if any(abs(d.dt - dt_obs) > 1e-6 * dt_obs for d in datasets):
+            raise DataError("refine: all datasets need the same sampling period")
+        self.dt_obs = dt_obs
+        if opts.sim_dt is not None:
+            nsub = max(1, int(round(dt_obs / opts.sim_dt)))
+        else:
+            nsub = max(1, int(math.ceil(dt_obs / opts.max_sim_dt - 1e-9)))
+        self.nsub, self.sim_dt = nsub, dt_obs / nsub
+        H = max(1, int(round(opts.window_s / dt_obs)))
+        stride = H if opts.stride_s is None else max(1, int(round(opts.stride_s / dt_obs)))
+        self.H = H
+        free = np.asarray(top.free_nodes, dtype=int)
+        if opts.observed_nodes is None:
+            obs = free
+        else:
+            obs = np.array([top.node_names.index(n) for n in opts.observed_nodes], dtype=int)
+        self.obs_idx = obs
+        A = top.n_actuators
+        X0, V0, tgt, msk, U, Uts, F, Fc, Arm, wid = [], [], [], [], [], [], [], [], [], []
+        pad_before = int(math.ceil(0.2 / dt_obs)) + 2   # delays up to 0.2 s
+        M = H + pad_before + 3
+        for di, d in enumerate(datasets):
+            if d.n_samples < H + 1:
+                continue
+            der = derivatives(d, opts.derivative_method, window_s=opts.smooth_window_s)
+            if d.velocities is not None:
+                vel = np.where(d.valid[..., None], d.velocities, np.nan)
+                pos = np.where(d.valid[..., None], d.positions, np.nan)
+                okv = d.valid
+            else:
+                vel, pos, okv = der.velocities, der.positions, der.ok
+            for s in range(0, d.n_samples - H, stride):
+                if not okv[s, free].all():
+                    continue
+                if not (np.all(np.isfinite(pos[s, free])) and np.all(np.isfinite(vel[s, free]))):
+                    continue
+                v = d.valid[s + 1:s + 1 + H][:, obs]
+                if v.sum() < 0.5 * v.size:
+                    continue
+                X0.append(pos[s])
+                V0.append(vel[s])
+                tgt.append(np.where(v[..., None], d.positions[s + 1:s + 1 + H][:, obs], 0.0))
+                msk.append(v)
+                if A and d.motor_angles is not None:
+                    idx = np.clip(np.arange(s - pad_before, s - pad_before + M), 0, d.n_samples - 1)
+                    U.append(d.motor_angles[idx])
+                    Uts.append(d.times[s] - d.times[idx[0]] if s - pad_before >= 0 else
+                               d.times[s] - (d.times[0] - (pad_before - s) * dt_obs))
+                if d.external_forces is not None:
+                    F.append(d.external_forces[s:s + H])
+                if d.control_forces is not None:
+                    Fc.append(d.control_forces[s:s + H])
+                    Arm.append(d.control_arms[s:s + H] if d.control_arms is not None else
+                               np.zeros_like(d.control_forces[s:s + H]))
+                wid.append((di, s))
+        if not X0:
+            raise NotEnoughDataError("refine: no window with a measured start and >= 50 % valid samples")
+        if opts.max_windows is not None and len(X0) > opts.max_windows:
+            pick = np.unique(np.linspace(0, len(X0) - 1, opts.max_windows).round().astype(int))
+            sel = lambda L: [L[i] for i in pick] if L else L  # noqa: E731
+            X0, V0, tgt, msk, U, Uts, F, Fc, Arm, wid = map(sel, (X0, V0, tgt, msk, U, Uts, F, Fc, Arm, wid))
+        t = lambda x: torch.as_tensor(np.asarray(x), dtype=self.dtype, device=self.device)  # noqa: E731
+        X0 = np.nan_to_num(np.stack(X0))
+        V0 = np.nan_to_num(np.stack(V0))
+        self.X0m, self.V0m = t(X0), t(V0)
+        self.targets = t(np.stack(tgt))                         # (B, H, No, 3)
+        self.mask = torch.as_tensor(np.stack(msk), device=self.device)  # (B, H, No)
+        self.n_obs = int(self.mask.sum())
+        self.window_ids = wid
+        self.B_win = len(wid)
+        if U:
+            self.U = t(np.stack(U))                             # (B, M, A)
+            self.U_t0 = t(np.array(Uts))                        # (B,) time from the first motor sample to the start
+        else:
+            self.U = None
+        self.Fext = t(np.stack(F)) if F else None               # (B, H, N, 3)
+        self.Fc = t(np.stack(Fc)) if Fc else None
+        self.Arm = t(np.stack(Arm)) if Arm else None
+        self.contiguous = [(k, k + 1) for k in range(self.B_win - 1)
+                           if wid[k][0] == wid[k + 1][0] and wid[k + 1][1] - wid[k][1] == self.H]
+
+    def subset(self, idx: Sequence[int]) -> "RefineProblem":
+        """A view of the problem on the windows ``idx`` (for Jacobians on a subset)."""
+        import copy
+        sub = copy.copy(self)
+        ii = torch.as_tensor(list(idx), device=self.device, dtype=torch.long)
+        for name in ("X0m", "V0m", "targets", "mask", "U", "U_t0", "Fext", "Fc", "Arm"):
+            v = getattr(self, name)
+            if v is not None:
+                setattr(sub, name, v.index_select(0, ii))
+        sub.n_obs = int(sub.mask.sum())
+        sub.window_ids = [self.window_ids[i] for i in idx]
+        sub.B_win = len(idx)
+        sub.contiguous = []
+        return sub
+
+    # ---------------------------------------------------------------------------------------------
+    def initial_w(self, delay_s: float) -> torch.Tensor:
+        parts = [torch.zeros(self.B.shape[1], dtype=self.dtype, device=self.device)]
+        if self.opts.estimate_delay:
+            parts.append(torch.tensor([delay_s / DELAY_UNIT_S], dtype=self.dtype, device=self.device))
+        return torch.cat(parts)
+
+    def z_of(self, w: torch.Tensor) -> torch.Tensor:
+        nb = self.B.shape[1]
+        g = self.B @ w[:nb]
+        return self.z_start + self.K @ g
+
+    def delay_of(self, w: torch.Tensor) -> torch.Tensor:
+        if self.opts.estimate_delay:
+            return w[-1] * DELAY_UNIT_S
+        return torch.tensor(self.opts.delay_s, dtype=self.dtype, device=self.device)
+
+    def params_of(self, w: torch.Tensor) -> Params:
+        return from_unconstrained(self.z_of(w), self.template)
+
+    def finalize(self, w: torch.Tensor) -> Tuple[Params, torch.Tensor]:
+        """Params at w, rescaled along the gauge so the total moving mass equals the anchor."""
+        z = self.z_of(w).detach()
+        if self.gauge:
+            p = from_unconstrained(z, self.template)
+            mv = torch.as_tensor(self.movable, device=self.device)
+            tot = float(p.mass[mv].sum())
+            c = math.log(self.total_mass / tot)
+            z = z + c * self.scale_dir
+        return from_unconstrained(z, self.template), z
+
+    # ---------------------------------------------------------------------------------------------
+    def _inputs(self, delay: torch.Tensor) -> Optional[Inputs]:
+        n = self.H * self.nsub
+        h = self.sim_dt
+        kw = {}
+        if self.U is not None:
+            steps = torch.arange(n, dtype=self.dtype, device=self.device) * h
+            tau = (self.U_t0[:, None] + steps[None, :] - delay) / self.dt_obs   # (B, n) in motor samples
+            M = self.U.shape[1]
+            i0 = torch.clamp(torch.floor(tau.detach()), 0, M - 2).long()
+            frac = tau - i0.to(self.dtype)
+            Ua = torch.gather(self.U, 1, i0[..., None].expand(-1, -1, self.U.shape[2]))
+            Ub = torch.gather(self.U, 1, (i0 + 1)[..., None].expand(-1, -1, self.U.shape[2]))
+            u = Ua + frac[..., None] * (Ub - Ua)
+            ud = (Ub - Ua) / self.dt_obs
+            kw["motor_angles"] = u.transpose(0, 1)
+            kw["motor_velocities"] = ud.transpose(0, 1)
+        rep = lambda x: x.repeat_interleave(self.nsub, dim=1).transpose(0, 1)  # noqa: E731
+        if self.Fext is not None:
+            kw["external_forces"] = rep(self.Fext)
+        if self.Fc is not None:
+            kw["control_forces"] = rep(self.Fc)
+            kw["control_arms"] = rep(self.Arm)
+        return Inputs(**kw) if kw else None
+
+    def simulate(self, params: Params, delay: torch.Tensor, x0: Optional[torch.Tensor]):
+        """Predicted observed-node positions (B, H, No, 3) and the final full states (positions, velocities)."""
+        X0, V0 = self.X0m, self.V0m
+        if x0 is not None:
+            free = torch.as_tensor(self.top.free_nodes, device=self.device)
+            dX = torch.zeros_like(X0).index_copy(1, free, x0[:, :, :3] * X0_UNIT_M)
+            dV = torch.zeros_like(V0).index_copy(1, free, x0[:, :, 3:] * V0_UNIT_MPS)
+            X0, V0 = X0 + dX, V0 + dV
+        st = self.engine.initial_state(X0, V0)
+        if hasattr(self.engine, "project"):
+            st = self.engine.project(params, st, iters=2)
+        inp = self._inputs(delay)
+        n = self.H * self.nsub
+        out = self.engine.rollout(params, st, inp, dt=self.sim_dt, steps=None if inp is not None else n)
+        pos = out.positions[self.nsub - 1::self.nsub]                  # (H, B, N, 3)
+        pred = pos.index_select(2, torch.as_tensor(self.obs_idx, device=self.device)).transpose(0, 1)
+        return pred, out.positions[-1], out.velocities[-1]
+
+    def residuals(self, w: torch.Tensor, x0: Optional[torch.Tensor]) -> torch.Tensor:
+        """Masked position residuals (B, H, No, 3), m (zero where not observed)."""
+        pred, _, _ = self.simulate(self.params_of(w), self.delay_of(w), x0)
+        return (pred - self.targets) * self.mask[..., None].to(self.dtype)
+
+    def loss(self, w: torch.Tensor, x0: Optional[torch.Tensor]) -> torch.Tensor:
+        opts = self.opts
+        params = self.params_of(w)
+        pred, Xend, Vend = self.simulate(params, self.delay_of(w), x0)
+        r = (pred - self.targets) * self.mask[..., None].to(self.dtype)
+        L = (r * r).sum() / (self.n_obs * opts.noise_std_m ** 2)
+        if opts.continuity_weight > 0 and self.contiguous:
+            a = torch.tensor([i for i, _ in self.contiguous], device=self.device)
+            b = torch.tensor([j for _, j in self.contiguous], device=self.device)
+            X0n = self.X0m[b] + (0 if x0 is None else
+                                 torch.zeros_like(self.X0m[b]).index_copy(
+                                     1, torch.as_tensor(self.top.free_nodes, device=self.device),
+                                     x0[b, :, :3] * X0_UNIT_M))
+            gap = Xend[a] - X0n
+            L = L + opts.continuity_weight * (gap * gap).sum() / (len(self.contiguous) * opts.noise_std_m ** 2)
+        if opts.prior_weight > 0:
+            dz = self.z_of(w) - self.z_start
+            L = L + opts.prior_weight * (dz * dz).sum()
+        return L
+
+
+# =====================================================================================================
+# optimisation
+# =====================================================================================================
+class _Stop(Exception):
+    pass
+
+
+def refine(structure: Structure, data: Union[Dataset, Sequence[Dataset]], start: Params,
+           options: RefineOptions = RefineOptions(), *, backend: str = "nodal", integrator: str = "semi_implicit",
+           callback: Optional[Callable[[Dict[str, Any]], Any]] = None) -> RefineResult:
+    """Stage-2 refinement from ``start`` params (see the module docstring).
+
+    Raises :class:`DivergenceError` when the starting point already gives a non-finite loss, and
+    :class:`NotEnoughDataError` when no window can be cut.
+    """
+    opts = options
+    datasets = [data] if isinstance(data, Dataset) else list(data)
+    t_start = time.perf_counter()
+    prob = RefineProblem(structure, datasets, start, opts, backend, integrator)
+    w = prob.initial_w(opts.delay_s).clone().requires_grad_(True)
+    x0 = None
+    opt_vars = [w]
+    if opts.optimize_initial_states:
+        x0 = torch.zeros(prob.B_win, len(prob.top.free_nodes), 6, dtype=prob.dtype, device=prob.device,
+                         requires_grad=True)
+        opt_vars.append(x0)
+    history: List[Dict[str, Any]] = []
+    best = {"loss": math.inf, "w": w.detach().clone(), "x0": None if x0 is None else x0.detach().clone()}
+    counters = {"eval": 0, "iter": 0}
+    notes: List[str] = []
+
+    def record(loss_val: float):
+        counters["eval"] += 1
+        p, _ = prob.finalize(w.detach())
+        info = {"stage": "refine", "iteration": counters["iter"], "evaluation": counters["eval"], "loss": loss_val,
+                "params": {n: float(v) for n, v in p.named().items()},
+                "delay_s": float(prob.delay_of(w.detach())), "time_s": time.perf_counter() - t_start}
+        history.append(info)
+        if callback is not None and callback(info) is True:
+            raise _Stop()
+        if opts.max_time_s is not None and info["time_s"] > opts.max_time_s:
+            raise _Stop()
+
+    def evaluate():
+        L = prob.loss(w, x0)
+        return L
+
+    converged = False
+    if opts.optimizer == "lbfgs":
+        lbfgs = torch.optim.LBFGS(opt_vars, lr=opts.lr or 1.0, max_iter=opts.max_iter,
+                                  max_eval=int(opts.max_iter * 2.5), tolerance_grad=opts.tolerance_grad,
+                                  tolerance_change=opts.tolerance_change, history_size=opts.history_size,
+                                  line_search_fn="strong_wolfe")
+
+        def closure():
+            lbfgs.zero_grad()
+            L = evaluate()
+            val = float(L.detach())
+            if not math.isfinite(val):
+                if counters["eval"] == 0:
+                    raise DivergenceError("refine: non-finite loss at the starting point (poisoned data or an "
+                                          "unstable rollout; try a smaller sim_dt)")
+                # a trial point of the line search blew up: report a large loss so that it backtracks
+                for v in opt_vars:
+                    v.grad = torch.zeros_like(v)
+                counters["iter"] = lbfgs.state[lbfgs._params[0]].get("n_iter", counters["iter"])
+                record(float("inf"))
+                return torch.tensor(1e30 * max(1.0, best["loss"]), dtype=prob.dtype)
+            L.backward()
+            for v in opt_vars:
+                if v.grad is not None and not torch.all(torch.isfinite(v.grad)):
+                    v.grad = torch.nan_to_num(v.grad, nan=0.0, posinf=0.0, neginf=0.0)
+            counters["iter"] = lbfgs.state[lbfgs._params[0]].get("n_iter", counters["iter"])
+            if val < best["loss"]:
+                best["loss"] = val
+                best["w"] = w.detach().clone()
+                best["x0"] = None if x0 is None else x0.detach().clone()
+            record(val)
+            return L
+
+        try:
+            lbfgs.step(closure)
+            n_iter = lbfgs.state[lbfgs._params[0]].get("n_iter", 0)
+            converged = n_iter < opts.max_iter
+        except _Stop:
+            notes.append("stopped by the callback or the time budget")
+    else:
+        adam = torch.optim.Adam(opt_vars, lr=opts.lr or 0.05)
+        sched = torch.optim.lr_scheduler.StepLR(adam, step_size=max(1, opts.adam_halve_every), gamma=0.5)
+        prev = math.inf
+        try:
+            for it in range(opts.max_iter):
+                counters["iter"] = it
+                adam.zero_grad()
+                L = evaluate()
+                val = float(L.detach())
+                if not math.isfinite(val):
+                    if it == 0:
+                        raise DivergenceError("refine: non-finite loss at the starting point")
+                    notes.append(f"non-finite loss at iteration {it}; stopped at the best point")
+                    break
+                if val < best["loss"]:
+                    best["loss"] = val
+                    best["w"] = w.detach().clone()
+                    best["x0"] = None if x0 is None else x0.detach().clone()
+                record(val)
+                if abs(prev - val) <= opts.tolerance_change * max(1.0, abs(val)):
+                    converged = True
+                    break
+                prev = val
+                L.backward()
+                adam.step()
+                sched.step()
+        except _Stop:
+            notes.append("stopped by the callback or the time budget")
+    if not math.isfinite(best["loss"]):
+        raise DivergenceError("refine: no finite loss was ever reached")
+    w_best, x0_best = best["w"], best["x0"]
+    params, _ = prob.finalize(w_best)
+    with torch.no_grad():
+        r = prob.residuals(w_best, x0_best)
+        rms = float(torch.sqrt((r * r).sum() / max(prob.n_obs, 1)))
+    params = params.map(lambda t: t.detach().to("cpu", torch.float64))
+    return RefineResult(params=params, delay_s=float(prob.delay_of(w_best)), loss=best["loss"], residual_rms_m=rms,
+                        history=history, converged=converged, iterations=counters["iter"],
+                        evaluations=counters["eval"], seconds=time.perf_counter() - t_start, problem=prob,
+                        w=w_best, x0=x0_best, notes=notes)

@@ -1,0 +1,258 @@
+"""Gauss-Newton covariance of the refined parameters and identifiability.
+
+For the stage-2 residuals r(v) (masked position errors, m) at the optimum, with v = [w (free parameters in
+the unconstrained space, gauge direction removed; delay), e (per-window initial-state offsets)]:
+
+    H = J^T J,   Cov(w) = sigma^2 [H_ww - sum_k H_we,k H_ee,k^-1 H_ew,k]^+      (Schur complement: the
+                                                                           window starts are marginalised)
+    sigma^2 = RSS / (n_residuals - n_unknowns)   (or the given noise level)
+
+J comes from forward-mode differentiation (``torch.func.jacfwd``) through the engine rollout; one tangent
+per free parameter plus one per initial-state coordinate shared by all windows (window k's residuals
+depend only on its own start, so the shared tangent yields every window's block at once). The covariance
+of the unconstrained vector z = z_start + K B w is mapped to physical units through the transforms'
+derivatives (exp: x, sigmoid bound: (hi - lo) s (1 - s)). When only ratios are identifiable (scale gauge)
+the covariance is also mapped through the final rescaling to the total-mass anchor.
+
+Identifiability (per parameter, in [0, 1]): 0 for parameters that are only identifiable as ratios (the
+gauge) and for directions of H below ``rank_tol``; otherwise 1 - std / reference, reference = |value|
+(1 % of the nominal rest length for rest lengths, 0.1 rad for zero offsets, 10 ms for the delay). Weakly
+identifiable COMBINATIONS (eigenvectors of the correlation-normalised covariance with a large variance)
+are listed in ``weak_directions``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..engine.params import REST_LENGTH_BOUNDS, TRANSFORMS
+from .refine import DELAY_UNIT_S, X0_UNIT_M, RefineProblem
+from .regression import identifiability_reference
+
+__all__ = ["Covariance", "jacobian", "gauss_newton_covariance", "physical_jacobian_diag"]
+
+
+@dataclass
+class Covariance:
+    """names: free parameter names (+ ``delay_s``); cov: (p, p) physical units; std_devs / identifiability /
+    identifiable by name; ratios: {"a/b": (value, std)} (gauge problems); weak_directions: readable
+    combinations; sigma_m: the residual noise level used; gauge: anchor description ('' if none)."""
+
+    names: List[str]
+    cov: np.ndarray
+    std_devs: Dict[str, float]
+    identifiability: Dict[str, float]
+    identifiable: Dict[str, bool]
+    ratios: Dict[str, Tuple[float, float]]
+    weak_directions: List[str]
+    sigma_m: float
+    gauge: str
+    notes: List[str] = field(default_factory=list)
+
+
+def jacobian(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mode: str = "auto",
+             chunk: Optional[int] = None) -> torch.Tensor:
+    """(n_out, n_in) Jacobian of ``fn`` (vector -> tensor, flattened) at ``x``.
+
+    mode: ``forward`` (torch.func.jacfwd; cheap when n_in << n_out), ``reverse`` (torch.func.jacrev) or
+    ``auto``. Falls back to a loop of forward-mode dual evaluations when vmap does not support an op.
+    """
+    x = x.detach()
+    f = lambda v: fn(v).reshape(-1)  # noqa: E731
+    if mode == "auto":
+        mode = "forward"
+    try:
+        if mode == "forward":
+            return torch.func.jacfwd(f, chunk_size=chunk)(x) if chunk else torch.func.jacfwd(f)(x)
+        return torch.func.jacrev(f)(x)
+    except Exception:  # pragma: no cover - vmap limitation: loop of dual evaluations
+        import torch.autograd.forward_ad as fwAD
+        cols = []
+        for i in range(x.numel()):
+            t = torch.zeros_like(x)
+            t.view(-1)[i] = 1.0
+            with fwAD.dual_level():
+                out = f(fwAD.make_dual(x, t))
+                cols.append(fwAD.unpack_dual(out).tangent.detach())
+        return torch.stack(cols, dim=1)
+
+
+def physical_jacobian_diag(kinds: Sequence[str], z: torch.Tensor, nominal_rest: Sequence[float]) -> np.ndarray:
+    """d x / d z (diagonal) of the engine transforms at z (unconstrained), in ``names`` order."""
+    z = z.detach().cpu().double().numpy()
+    out = np.ones_like(z)
+    ri = 0
+    for k, kind in enumerate(kinds):
+        tr = TRANSFORMS.get(kind, "identity")
+        if tr == "log":
+            out[k] = math.exp(z[k])
+        elif tr == "bounded":
+            nom = nominal_rest[ri] if ri < len(nominal_rest) else 1.0
+            lo, hi = nom * REST_LENGTH_BOUNDS[0], nom * REST_LENGTH_BOUNDS[1]
+            s = 1.0 / (1.0 + math.exp(-z[k]))
+            out[k] = (hi - lo) * s * (1 - s)
+        if kind == "rest_length":
+            ri += 1
+    return out
+
+
+def _format(v: np.ndarray, names: List[str]) -> str:
+    order = np.argsort(-np.abs(v))
+    parts = [f"{v[k]:+.2f} {names[k]}" for k in order if abs(v[k]) >= 0.1]
+    return " ".join(parts[:6]) + (" ..." if len(parts) > 6 else "")
+
+
+def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optional[torch.Tensor] = None, *,
+                            noise_std_m: Optional[float] = None, max_windows: Optional[int] = 16,
+                            rank_tol: float = 1e-9, identifiable_threshold: float = 0.9,
+                            weak_std: float = 0.1) -> Covariance:
+    """Gauss-Newton covariance at the refined point (see the module docstring).
+
+    noise_std_m: the residual noise level (None: estimated from the residuals). max_windows: Jacobians on
+    at most this many windows (evenly spread); the information is scaled up to all windows.
+    """
+    prob = problem
+    nb = prob.B.shape[1]
+    n_w = w.numel()
+    nf = len(prob.top.free_nodes)
+    B_all = prob.B_win
+    idx = list(range(B_all))
+    if max_windows is not None and B_all > max_windows:
+        idx = sorted(set(np.linspace(0, B_all - 1, max_windows).round().astype(int).tolist()))
+    sub = prob.subset(idx) if len(idx) < B_all else prob
+    scale = B_all / len(idx)
+    x0s = None if x0 is None else x0.detach()[torch.as_tensor(idx, device=prob.device)]
+    ne = 6 * nf if x0 is not None else 0
+    w = w.detach()
+
+    def fn(v):
+        ww = v[:n_w]
+        xx = None
+        if x0s is not None:
+            xx = x0s + v[n_w:].reshape(1, nf, 6)
+        return sub.residuals(ww, xx)
+
+    v0 = torch.cat([w, torch.zeros(ne, dtype=w.dtype, device=w.device)])
+    with torch.no_grad():
+        r = fn(v0)
+    J = jacobian(fn, v0).reshape(sub.B_win, -1, n_w + ne)            # (Bs, rows, n)
+    Jw, Je = J[..., :n_w], J[..., n_w:]
+    Hww = torch.einsum("bri,brj->ij", Jw, Jw)
+    if ne:
+        Hwe = torch.einsum("bri,brj->bij", Jw, Je)
+        Hee = torch.einsum("bri,brj->bij", Je, Je)
+        Hee = Hee + 1e-12 * torch.eye(ne, dtype=Hee.dtype, device=Hee.device) * Hee.diagonal(dim1=-2, dim2=-1).amax()
+        Hww = Hww - torch.einsum("bij,bjk,blk->il", Hwe, torch.linalg.pinv(Hee), Hwe)
+    Hww = 0.5 * (Hww + Hww.T) * scale
+    # noise level
+    n_res = 3 * prob.n_obs
+    n_unknown = n_w + (ne * B_all if x0 is not None else 0)
+    # residual sum of squares over ALL windows
+    with torch.no_grad():
+        rall = prob.residuals(w, None if x0 is None else x0.detach())
+        rss = float((rall * rall).sum())
+    sigma = noise_std_m if noise_std_m is not None else math.sqrt(rss / max(n_res - n_unknown, 1))
+    H = Hww.detach().cpu().double().numpy()
+    ev, V = np.linalg.eigh(H)
+    emax = ev.max() if ev.size else 0.0
+    keep = ev > rank_tol * emax if emax > 0 else np.zeros_like(ev, dtype=bool)
+    Hinv = (V[:, keep] / ev[keep]) @ V[:, keep].T
+    Cw = sigma ** 2 * Hinv
+    # map to z (full unconstrained vector) and the delay
+    KB = (prob.K @ prob.B).detach().cpu().double().numpy()           # (P, nb)
+    P = KB.shape[0]
+    Jz = np.zeros((P + 1, n_w))
+    Jz[:P, :nb] = KB
+    if prob.opts.estimate_delay:
+        Jz[P, nb] = DELAY_UNIT_S
+    Cz = Jz @ Cw @ Jz.T
+    _, zf = prob.finalize(w)
+    names = prob.names
+    kinds = [n.rpartition(".")[2] if "." in n else n for n in names]
+    notes: List[str] = []
+    gauge_desc = ""
+    if prob.gauge:
+        # final rescaling z_f = z + c(z) s, c = log(M / sum_b m_b(z)): dz_f/dz = I + s (dc/dz)^T
+        p_f = prob.params_of(w)
+        m = p_f.mass.detach().cpu().double().numpy()
+        mv = prob.movable
+        dc = np.zeros(P + 1)
+        for b, bname in enumerate(prob.top.bar_names):
+            if mv[b]:
+                dc[names.index(f"{bname}.mass")] = -m[b] / m[mv].sum()
+        s = np.zeros(P + 1)
+        s[:P] = prob.scale_dir.detach().cpu().double().numpy()
+        Jf = np.eye(P + 1) + np.outer(s, dc)
+        Cz = Jf @ Cz @ Jf.T
+        gauge_desc = f"total moving mass fixed at {prob.total_mass:g} kg"
+    D = np.ones(P + 1)
+    D[:P] = physical_jacobian_diag(kinds, zf, prob.template.meta.nominal_rest_length)
+    Cx = Cz * D[:, None] * D[None, :]
+    free_idx = sorted({k for g in prob.groups for k in g})
+    out_idx = free_idx + ([P] if prob.opts.estimate_delay else [])
+    out_names = [names[k] for k in free_idx] + (["delay_s"] if prob.opts.estimate_delay else [])
+    cov = Cx[np.ix_(out_idx, out_idx)]
+    params_f = {n: float(v) for n, v in prob.finalize(w)[0].named().items()}
+    params_f["delay_s"] = float(prob.delay_of(w))
+    std = {n: float(math.sqrt(max(cov[i, i], 0.0))) for i, n in enumerate(out_names)}
+    # non-identifiable directions of H (in w space) -> parameters involved
+    unexcited = set()
+    weak: List[str] = []
+    wnames = [("+".join(names[k] for k in g) if len(g) > 1 else names[g[0]]) for g in prob.groups]
+    if (~keep).any():
+        for vv in V[:, ~keep].T:
+            zdir = Jz @ vv
+            for k in np.flatnonzero(np.abs(zdir[:P]) > 1e-3 * max(np.abs(zdir).max(), 1e-300)):
+                unexcited.add(names[k])
+            if abs(zdir[P]) > 1e-3 * max(np.abs(zdir).max(), 1e-300):
+                unexcited.add("delay_s")
+            weak.append("not identifiable: " + _format(zdir[out_idx], out_names))
+    # weak combinations: eigenvectors of the covariance of relative (log-like) changes
+    rel = np.array([std[n] / max(identifiability_reference(n.rpartition(".")[2] if "." in n else
+                                                          ("delay" if n == "delay_s" else n), params_f[n],
+                                                          _nominal(prob, n)), 1e-300) for n in out_names])
+    if cov.size:
+        Dn = np.array([identifiability_reference(n.rpartition(".")[2] if "." in n else
+                                                 ("delay" if n == "delay_s" else n), params_f[n], _nominal(prob, n))
+                       for n in out_names])
+        Cn = cov / Dn[:, None] / Dn[None, :]
+        if prob.gauge:
+            # the gauge direction itself is not a weakness of the data
+            pass
+        ce, cv = np.linalg.eigh(Cn)
+        for val, vec in zip(ce[::-1], cv[:, ::-1].T):
+            if math.sqrt(max(val, 0)) < weak_std:
+                break
+            weak.append(f"weakly identifiable (std {math.sqrt(val):.2g} relative): {_format(vec, out_names)}")
+    ratios: Dict[str, Tuple[float, float]] = {}
+    gauge_names = set()
+    if prob.gauge:
+        mv_names = [f"{b}.mass" for b, m_ in zip(prob.top.bar_names, prob.movable) if m_]
+        ref = mv_names[0] if len(mv_names) == 1 else "total_mass"
+        for n in out_names:
+            k = n.rpartition(".")[2] if "." in n else n
+            if k in ("stiffness", "damping", "mass", "control_force_scalar"):
+                gauge_names.add(n)
+                if n != ref:
+                    ratios[f"{n}/{ref}"] = (params_f[n] / prob.total_mass, std[n] / prob.total_mass)
+        notes.append("only ratios identifiable (scale gauge, " + gauge_desc + ")")
+    ident, identifiable = {}, {}
+    for i, n in enumerate(out_names):
+        score = float(np.clip(1.0 - rel[i], 0.0, 1.0)) if np.isfinite(rel[i]) else 0.0
+        if n in unexcited or n in gauge_names:
+            score = 0.0
+        ident[n] = score
+        identifiable[n] = score >= identifiable_threshold
+    return Covariance(names=out_names, cov=cov, std_devs=std, identifiability=ident, identifiable=identifiable,
+                      ratios=ratios, weak_directions=weak, sigma_m=float(sigma), gauge=gauge_desc, notes=notes)
+
+
+def _nominal(prob: RefineProblem, name: str) -> Optional[float]:
+    if name.endswith(".rest_length"):
+        s = name.rpartition(".")[0]
+        return prob.template.meta.nominal_rest_length[prob.template.meta.strings.index(s)]
+    return None

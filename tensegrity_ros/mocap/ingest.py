@@ -1,0 +1,199 @@
+"""THE mocap entry point: unlabelled markers in, labelled node states out.
+
+The ROS node ``mocap_ingest``, ``tensegrity identify``'s bag reader and the tests all call
+:meth:`MocapIngest.add_frame` (one frame) or :func:`ingest_markers` (a whole recording, which calls
+``add_frame`` in a loop), so live data, replayed bags and synthetic data go through the same code.
+
+Per frame: :class:`~tensegrity_ros.mocap.labelling.MarkerLabeller` labels the markers and maps them into
+the structure frame; a :class:`~tensegrity_ros.mocap.filtering.ConstantVelocityKF` per node estimates
+velocities (invalid samples never update it); plate poses (the seed's frames C0, C1, C2) are computed from
+the labelled nodes. Positions are the labelled marker positions themselves (not filtered); velocities come
+from the filter. Nothing is invented: an occluded node has NaN position and ``valid`` False.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..model import Structure
+from .filtering import ConstantVelocityKF, KalmanConfig, smooth_derivatives
+from .labelling import LabelledFrame, LabellerConfig, MarkerLabeller
+
+__all__ = ["IngestConfig", "NodeStateSample", "NodeStateSeries", "MocapIngest", "ingest_markers", "PlateDef",
+           "SEED_PLATES", "plate_pose", "PlatePoses"]
+
+
+@dataclass(frozen=True)
+class PlateDef:
+    """A plate frame from three nodes (seed Sec. IV): origin r = mean of ``nodes``; x axis towards
+    ``x_node``; z axis along (z_from[0] - r) x (z_from[1] - r); y = z x x."""
+
+    name: str
+    nodes: Tuple[str, str, str]
+    x_node: str
+    z_from: Tuple[str, str]
+
+
+#: The seed's frames: ground C0 (n1, n2, n3), Stage 1 plate C1 (n10..n12), Stage 2 plate C2 (n22..n24).
+SEED_PLATES = (PlateDef("C0", ("n1", "n2", "n3"), "n2", ("n3", "n1")),
+               PlateDef("C1", ("n10", "n11", "n12"), "n10", ("n12", "n10")),
+               PlateDef("C2", ("n22", "n23", "n24"), "n22", ("n24", "n22")))
+
+
+def plate_pose(points: Mapping[str, np.ndarray], plate: PlateDef) -> np.ndarray:
+    """4x4 homogeneous pose of ``plate`` (columns x, y, z, origin) from node positions (3,) by name."""
+    r = np.mean([points[n] for n in plate.nodes], axis=0)
+    x = points[plate.x_node] - r
+    z = np.cross(points[plate.z_from[0]] - r, points[plate.z_from[1]] - r)
+    x, z = x / np.linalg.norm(x), z / np.linalg.norm(z)
+    T = np.eye(4)
+    T[:3, 0], T[:3, 1], T[:3, 2], T[:3, 3] = x, np.cross(z, x), z, r
+    return T
+
+
+class PlatePoses:
+    """Callable (names, positions (N, 3), valid (N,)) -> {plate name: 4x4 pose or None if a node is invalid}.
+
+    Only plates whose nodes are all marker nodes are reported.
+    """
+
+    def __init__(self, names: Sequence[str], plates: Sequence[PlateDef] = SEED_PLATES):
+        have = set(names)
+        self.plates = tuple(p for p in plates if set(p.nodes) | {p.x_node} | set(p.z_from) <= have)
+        self.index = {n: i for i, n in enumerate(names)}
+
+    def __call__(self, names, positions, valid) -> Dict[str, Optional[np.ndarray]]:
+        out: Dict[str, Optional[np.ndarray]] = {}
+        for p in self.plates:
+            idx = [self.index[n] for n in p.nodes]
+            if all(valid[i] for i in idx):
+                out[p.name] = plate_pose({n: positions[self.index[n]] for n in p.nodes}, p)
+            else:
+                out[p.name] = None
+        return out
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    """Settings of :class:`MocapIngest`: the labeller's, the velocity filter's, and the output frame id."""
+
+    labeller: LabellerConfig = LabellerConfig()
+    kalman: KalmanConfig = KalmanConfig()
+    frame_id: str = "structure"
+
+
+@dataclass(frozen=True)
+class NodeStateSample:
+    """Node states at one mocap frame, in the structure frame (``frame_id``).
+
+    names: (N,) node names (row order); positions: (N, 3) m, NaN where not ``valid``; velocities: (N, 3)
+    m/s, NaN where not ``velocity_valid`` (filter not converged yet, e.g. just after an occlusion);
+    plate_poses: {"C0"|"C1"|"C2": 4x4 pose in the structure frame, or None when a plate node is occluded};
+    residuals: (N,) m distance of each matched marker from its predicted position; registered: False until
+    the markers have matched the structure (then nothing is valid).
+    """
+
+    stamp: float
+    names: Tuple[str, ...]
+    positions: np.ndarray
+    velocities: np.ndarray
+    valid: np.ndarray
+    velocity_valid: np.ndarray
+    plate_poses: Mapping[str, Optional[np.ndarray]]
+    residuals: np.ndarray
+    registered: bool
+    frame_id: str = "structure"
+
+
+class MocapIngest:
+    """Labeller + velocity filter + plate frames behind one ``add_frame``.
+
+    structure: the model; config: :class:`IngestConfig`; plate_poses: optional callable
+    (names, positions, valid) -> {name: 4x4 or None}; default: the seed's C0/C1/C2 where their nodes exist.
+    """
+
+    def __init__(self, structure: Structure, config: IngestConfig = IngestConfig(),
+                 plate_poses: Optional[Callable] = None):
+        self.structure = structure
+        self.config = config
+        self.labeller = MarkerLabeller(structure, config.labeller)
+        self.plate_poses = plate_poses if plate_poses is not None else PlatePoses(self.labeller.names)
+        self._kf = ConstantVelocityKF(len(self.names), config.kalman)
+        self.last_frame: Optional[LabelledFrame] = None
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return self.labeller.names
+
+    @property
+    def transform(self):
+        """mocap->structure (R, t) or None before registration; p_structure = R p_mocap + t."""
+        return self.labeller.transform
+
+    def reset(self) -> None:
+        self.labeller.reset()
+        self._kf.reset()
+        self.last_frame = None
+
+    def refresh_transform(self):
+        """Re-fit the mocap->structure transform (see ``MarkerLabeller.refresh_transform``)."""
+        A, b = self.labeller.refresh_transform()
+        self._kf.transform(A, b)
+        return self.transform
+
+    def add_frame(self, stamp: float, markers) -> NodeStateSample:
+        """Ingest one mocap frame. stamp: s (the frame's header stamp); markers: (M, 3) m, mocap frame."""
+        before = self.labeller.transform
+        frame = self.labeller.add_frame(stamp, markers)
+        after = self.labeller.transform
+        if before is not None and after is not None and not (
+                np.array_equal(before[0], after[0]) and np.array_equal(before[1], after[1])):
+            A = after[0] @ before[0].T  # an automatic refresh happened inside the labeller
+            self._kf.transform(A, after[1] - A @ before[1])
+        self.last_frame = frame
+        out = self._kf.update(frame.stamp, frame.positions, frame.valid)
+        poses = self.plate_poses(frame.names, frame.positions, frame.valid) if frame.registered else {}
+        return NodeStateSample(stamp=frame.stamp, names=frame.names, positions=frame.positions,
+                               velocities=out.velocities, valid=frame.valid, velocity_valid=out.velocity_ok,
+                               plate_poses=poses, residuals=frame.residuals, registered=frame.registered,
+                               frame_id=self.config.frame_id)
+
+
+class NodeStateSeries(NamedTuple):
+    """A whole recording of node states: t (T,) s, names (N,), positions / velocities (T, N, 3),
+    valid / velocity_valid (T, N), accelerations (T, N, 3) (only from the offline smoother, else None)."""
+
+    t: np.ndarray
+    names: Tuple[str, ...]
+    positions: np.ndarray
+    velocities: np.ndarray
+    valid: np.ndarray
+    velocity_valid: np.ndarray
+    accelerations: Optional[np.ndarray] = None
+
+
+def ingest_markers(structure: Structure, times, markers: Sequence, config: IngestConfig = IngestConfig(), *,
+                   smooth_window_s: Optional[float] = None, smooth_order: int = 2,
+                   ingest: Optional[MocapIngest] = None) -> NodeStateSeries:
+    """Run :meth:`MocapIngest.add_frame` over a recording (e.g. a bag's /mocap/markers).
+
+    times: (T,) s; markers: T arrays (M_k, 3) m in the mocap frame. With ``smooth_window_s`` the velocities
+    and accelerations come from :func:`smooth_derivatives` on the labelled positions (offline, no lag) instead
+    of the online filter. Frames before the registration are kept, all invalid.
+    """
+    times = np.asarray(times, dtype=float)
+    if len(markers) != times.shape[0]:
+        raise ValueError(f"ingest_markers: {times.shape[0]} times but {len(markers)} marker frames")
+    ing = ingest if ingest is not None else MocapIngest(structure, config)
+    N, T = len(ing.names), times.shape[0]
+    P, V = np.full((T, N, 3), np.nan), np.full((T, N, 3), np.nan)
+    ok, vok = np.zeros((T, N), dtype=bool), np.zeros((T, N), dtype=bool)
+    for k in range(T):
+        s = ing.add_frame(times[k], markers[k])
+        P[k], V[k], ok[k], vok[k] = s.positions, s.velocities, s.valid, s.velocity_valid
+    if smooth_window_s is None:
+        return NodeStateSeries(times, ing.names, P, V, ok, vok)
+    d = smooth_derivatives(times, P, ok, window_s=smooth_window_s, order=smooth_order)
+    return NodeStateSeries(times, ing.names, P, d.velocities, ok, d.valid, d.accelerations)

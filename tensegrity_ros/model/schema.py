@@ -1,0 +1,154 @@
+"""Typed, frozen description of a tensegrity structure.
+
+A structure file (YAML, see ``config/models/``) is loaded into these records once, validated at
+the edge (:mod:`tensegrity_ros.model.loader`), and then trusted by the torch engine, the MuJoCo
+twin and the node graph. All quantities are SI: metres, kilograms, newtons, seconds, radians.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal, Optional, Tuple, Union
+
+Vec3 = Tuple[float, float, float]
+
+
+@dataclass(frozen=True)
+class Node:
+    """A point where bars and strings meet. ``fixed`` nodes are welded to the world."""
+
+    name: str
+    position: Vec3
+    fixed: bool = False
+
+
+@dataclass(frozen=True)
+class Bar:
+    """A rigid, zero-thickness bar between two nodes; its length is fixed by the node positions.
+
+    ``radius`` only matters for drawing and for the MuJoCo capsule (whose inertia is set to match the
+    thin bar anyway).
+    """
+
+    name: str
+    nodes: Tuple[str, str]
+    mass: float
+    radius: float = 0.01
+
+
+@dataclass(frozen=True)
+class String:
+    """A tension-only string through ``nodes`` in order (two nodes: simple; more: composite).
+
+    ``stiffness`` is in N/m at the nominal ``rest_length``. The engine can scale it as EA/xi0 when
+    an actuator changes the rest length (seed paper, Sec. II-B); EA = stiffness * rest_length.
+    ``damping`` is in N·s/m on the rate of stretch of the whole composite string.
+    """
+
+    name: str
+    nodes: Tuple[str, ...]
+    stiffness: float
+    damping: float
+    rest_length: float
+    actuator: Optional[str] = None
+    #: A closed loop (the manipulator's saddle strings): the last node connects back to the first.
+    closed: bool = False
+
+    @property
+    def segments(self) -> Tuple[Tuple[str, str], ...]:
+        """The simple strings this (composite) string is made of, in order."""
+        ring = self.nodes + (self.nodes[:1] if self.closed else ())
+        return tuple(zip(ring[:-1], ring[1:]))
+
+
+@dataclass(frozen=True)
+class Actuator:
+    """A motor that changes one string's rest length through a spool.
+
+    rest_length = rest_length_0 + direction * spool_radius * (motor_angle - zero_offset)
+    ``limits`` are motor angles in rad (after nothing: the raw goal-position range allowed).
+    """
+
+    name: str
+    motor_id: int
+    spool_radius: float
+    direction: int = 1
+    zero_offset: float = 0.0
+    limits: Tuple[float, float] = (-3.14159, 3.14159)
+    model: str = "xm430"
+
+
+@dataclass(frozen=True)
+class CoincidentConstraint:
+    """``nodes[1]`` (usually a virtual node) stays at ``nodes[0]``."""
+
+    nodes: Tuple[str, str]
+    type: Literal["coincident"] = "coincident"
+
+
+@dataclass(frozen=True)
+class MidpointConstraint:
+    """``node`` stays at the midpoint of ``between`` (Stage 2 on Stage 1's plate)."""
+
+    node: str
+    between: Tuple[str, str]
+    type: Literal["midpoint"] = "midpoint"
+
+
+Constraint = Union[CoincidentConstraint, MidpointConstraint]
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A whole tensegrity. Element order is the file's order and is the engine's index order."""
+
+    name: str
+    nodes: Tuple[Node, ...]
+    bars: Tuple[Bar, ...]
+    strings: Tuple[String, ...]
+    constraints: Tuple[Constraint, ...] = ()
+    actuators: Tuple[Actuator, ...] = ()
+    gravity: Vec3 = (0.0, 0.0, -9.81)
+    description: str = ""
+    source: str = "<memory>"
+    #: Optional identified standard deviations, keyed "element.kind" (written by `tensegrity identify`).
+    std_devs: Tuple[Tuple[str, float], ...] = field(default=(), compare=False)
+    #: Free-form notes kept verbatim from the file (assumptions, provenance).
+    notes: str = field(default="", compare=False)
+
+    # ---- lookups -------------------------------------------------------------------------
+    def node_index(self, name: str) -> int:
+        return self._names("nodes").index(name)
+
+    def _names(self, kind: str) -> list:
+        return [e.name for e in getattr(self, kind)]
+
+    @property
+    def node_names(self) -> Tuple[str, ...]:
+        return tuple(self._names("nodes"))
+
+    @property
+    def fixed_nodes(self) -> Tuple[str, ...]:
+        return tuple(n.name for n in self.nodes if n.fixed)
+
+    def bar(self, name: str) -> Bar:
+        return self.bars[self._names("bars").index(name)]
+
+    def string(self, name: str) -> String:
+        return self.strings[self._names("strings").index(name)]
+
+    def actuator(self, name: str) -> Actuator:
+        return self.actuators[self._names("actuators").index(name)]
+
+    def actuated_strings(self) -> Tuple[String, ...]:
+        """Strings with an actuator, in actuator order."""
+        by_act = {s.actuator: s for s in self.strings if s.actuator}
+        return tuple(by_act[a.name] for a in self.actuators if a.name in by_act)
+
+    def bar_length(self, bar: Bar) -> float:
+        a, b = (self.nodes[self.node_index(n)].position for n in bar.nodes)
+        return sum((x - y) ** 2 for x, y in zip(a, b)) ** 0.5
+
+    def with_positions(self, positions) -> "Structure":
+        """A copy with node positions replaced ((n_nodes, 3) array-like, metres)."""
+        nodes = tuple(replace(n, position=tuple(float(v) for v in p)) for n, p in zip(self.nodes, positions))
+        return replace(self, nodes=nodes)

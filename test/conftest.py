@@ -1,0 +1,111 @@
+"""Shared pytest fixtures and helpers for tensegrity_ros tests.
+
+ROS isolation: before anything can initialise rclpy, this module picks a
+random ROS_DOMAIN_ID (1..100) for the whole test session and restricts
+discovery to this host, so parallel test runs (CI jobs, developers) don't
+cross-talk. Set TENSEGRITY_TEST_ROS_DOMAIN_ID to force a specific domain.
+
+Fixtures:
+    rclpy_context  session-wide rclpy Context (rclpy.init(context=...) once,
+                   shut down at the end); never touches the global context.
+    ros_executor   a SingleThreadedExecutor bound to that context (per test).
+    make_node      factory: make_node("name") -> rclpy Node in the session
+                   context, added to ros_executor, destroyed after the test.
+    spin_until     the spin_until() helper below, as a fixture.
+
+Helpers (also importable: ``from conftest import spin_until, unique_name``):
+    spin_until(executor, predicate, timeout=10.0, step=0.05) -> bool
+    unique_name(prefix) -> str
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import time
+from typing import Callable
+
+import pytest
+
+# --- ROS environment isolation (must happen before rclpy.init) ---------------
+_DOMAIN_ID = os.environ.get("TENSEGRITY_TEST_ROS_DOMAIN_ID") or str(random.SystemRandom().randint(1, 100))
+os.environ["ROS_DOMAIN_ID"] = _DOMAIN_ID
+os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+
+_counter = itertools.count()
+
+
+def unique_name(prefix: str = "test") -> str:
+    """Return a node/topic-safe name unique within this process."""
+    return f"{prefix}_{os.getpid()}_{next(_counter)}"
+
+
+def spin_until(executor, predicate: Callable[[], bool], timeout: float = 10.0, step: float = 0.05) -> bool:
+    """Spin ``executor`` until ``predicate()`` is true or ``timeout`` seconds pass.
+
+    Returns the final value of ``predicate()`` (so callers can ``assert`` it).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return bool(predicate())
+        executor.spin_once(timeout_sec=min(step, remaining))
+
+
+def pytest_report_header(config):  # noqa: ARG001 - pytest hook signature
+    return f"ROS_DOMAIN_ID={_DOMAIN_ID} ROS_AUTOMATIC_DISCOVERY_RANGE={os.environ.get('ROS_AUTOMATIC_DISCOVERY_RANGE')}"
+
+
+@pytest.fixture(scope="session")
+def rclpy_context():
+    """A dedicated rclpy Context, initialised once per test session."""
+    import rclpy
+    from rclpy.context import Context
+
+    context = Context()
+    rclpy.init(args=[], context=context)
+    try:
+        yield context
+    finally:
+        rclpy.try_shutdown(context=context)
+
+
+@pytest.fixture
+def ros_executor(rclpy_context):
+    """A SingleThreadedExecutor on the session context; shut down after the test."""
+    from rclpy.executors import SingleThreadedExecutor
+
+    executor = SingleThreadedExecutor(context=rclpy_context)
+    try:
+        yield executor
+    finally:
+        executor.shutdown(timeout_sec=1.0)
+
+
+@pytest.fixture
+def make_node(rclpy_context, ros_executor):
+    """Factory creating nodes in the session context (added to ``ros_executor``)."""
+    from rclpy.node import Node
+
+    nodes = []
+
+    def _make(name: str | None = None, **kwargs) -> Node:
+        node = Node(name or unique_name("node"), context=rclpy_context, **kwargs)
+        ros_executor.add_node(node)
+        nodes.append(node)
+        return node
+
+    try:
+        yield _make
+    finally:
+        for node in nodes:
+            ros_executor.remove_node(node)
+            node.destroy_node()
+
+
+@pytest.fixture(name="spin_until")
+def _spin_until_fixture():
+    return spin_until

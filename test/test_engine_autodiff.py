@@ -1,0 +1,222 @@
+"""Differentiability and batching: gradcheck through multi-step rollouts w.r.t. every parameter kind,
+batched == per item, float32, the string-force regression pieces, torch.compile == eager."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+from tensegrity_ros.engine import Inputs, make_engine, stack_params
+from tensegrity_ros.engine.nodal import NodalConstants, expand, generalized_forces, prepare, reduce
+from tensegrity_ros.model import load_structure, structure_from_dict
+
+MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def small_structure():
+    """Two bars among four anchors, with a composite string through a midpoint node, one through a coincident
+    node, two actuated strings (directions +1 and -1). All strings start stretched (rest = 0.8 x length)."""
+    pos = {"f1": [0, 0, 0], "f2": [1, 0, 0], "f3": [0, 1, 0], "f4": [0.2, 0.2, 1.5],
+           "a": [0.3, 0.3, 0.5], "b": [0.6, 0.5, 1.0], "c": [0.8, 0.2, 0.4], "d": [0.2, 0.7, 0.9]}
+    pos["m"] = [(x + y) / 2 for x, y in zip(pos["c"], pos["d"])]
+    pos["v"] = list(pos["b"])
+    fixed = {"f1", "f2", "f3", "f4"}
+    nodes = [{"name": n, "position": p, **({"fixed": True} if n in fixed else {})} for n, p in pos.items()]
+    paths = {"s1": (["f1", "a"], None), "s2": (["f2", "m", "f3"], "m1"), "s3": (["f4", "v", "d"], None),
+             "s4": (["a", "c"], None), "s5": (["c", "f2"], "m2"), "s6": (["d", "f3"], None), "s7": (["a", "f4"], None)}
+    strings = []
+    for k, (name, (path, act)) in enumerate(paths.items()):
+        L = sum(math.dist(pos[x], pos[y]) for x, y in zip(path[:-1], path[1:]))
+        strings.append({"name": name, "nodes": path, "stiffness": 80.0 + 10 * k, "damping": 2.0 + 0.5 * k,
+                        "rest_length": round(0.8 * L, 6), **({"actuator": act} if act else {})})
+    return structure_from_dict({
+        "name": "small", "gravity": [0, 0, -9.81], "nodes": nodes,
+        "bars": [{"name": "b1", "nodes": ["a", "b"], "mass": 1.0}, {"name": "b2", "nodes": ["c", "d"], "mass": 1.5}],
+        "strings": strings,
+        "constraints": [{"type": "midpoint", "node": "m", "between": ["c", "d"]},
+                        {"type": "coincident", "nodes": ["b", "v"]}],
+        "actuators": [{"name": "m1", "motor_id": 1, "spool_radius": 0.02, "direction": 1, "zero_offset": 0.1},
+                      {"name": "m2", "motor_id": 2, "spool_radius": 0.015, "direction": -1, "zero_offset": -0.2}]})
+
+
+def small_rod_structure():
+    """The seed's spring-rod element with an actuated first spring (simple strings, stretched)."""
+    return structure_from_dict({
+        "name": "rod", "gravity": [0, 0, -9.81],
+        "nodes": [{"name": "nail1", "position": [-1, 0, 1], "fixed": True},
+                  {"name": "nail2", "position": [2, 0, 1], "fixed": True},
+                  {"name": "n1", "position": [-1, 0, 0]}, {"name": "n2", "position": [1, 0, 0]}],
+        "bars": [{"name": "rod", "nodes": ["n1", "n2"], "mass": 10.0, "radius": 0.02}],
+        "strings": [{"name": "s1", "nodes": ["nail1", "n1"], "stiffness": 100.0, "damping": 10.0, "rest_length": 0.8,
+                     "actuator": "m1"},
+                    {"name": "s2", "nodes": ["nail2", "n2"], "stiffness": 100.0, "damping": 10.0, "rest_length": 1.2}],
+        "actuators": [{"name": "m1", "motor_id": 1, "spool_radius": 0.02, "direction": 1, "zero_offset": 0.3}]})
+
+
+def _motor_inputs(T, A, dt=0.01):
+    t = dt * torch.arange(T, dtype=torch.float64)
+    u = torch.stack([0.5 * torch.sin(3 * t + k) for k in range(A)], -1).unsqueeze(1)
+    ud = torch.stack([1.5 * torch.cos(3 * t + k) for k in range(A)], -1).unsqueeze(1)
+    return u, ud
+
+
+KINDS = ["stiffness", "damping", "rest_length", "mass", "spool_radius", "zero_offset"]
+
+
+@pytest.mark.parametrize("integrator", ["semi_implicit", "rk4"])
+def test_gradcheck_nodal_rollout(integrator):
+    s = small_structure()
+    eng = make_engine(s, "nodal", integrator)
+    p0 = eng.default_params()
+    torch.manual_seed(0)
+    s0 = eng.project(p0, eng.initial_state(velocities=0.05 * torch.randn(len(s.nodes), 3, dtype=torch.float64)))
+    u, ud = _motor_inputs(5, 2)
+    f_ext = 0.3 * torch.randn(5, 1, len(s.nodes), 3, dtype=torch.float64)
+    inputs = Inputs(motor_angles=u, motor_velocities=ud, external_forces=f_ext)
+    # the gate must stay open along the trajectory (gradcheck needs a smooth function)
+    st = eng.rollout(p0, s0, inputs, 0.01)
+    assert bool((eng.string_state(p0, st[-1], inputs[-1]).D > 0).all())
+    for kind in KINDS:
+        x0 = getattr(p0, kind).clone().requires_grad_(True)
+
+        def f(x, kind=kind):
+            return eng.rollout(p0.replace(**{kind: x}), s0, inputs, 0.01).positions
+
+        assert gradcheck(f, (x0,), eps=1e-6, atol=1e-6, rtol=1e-4), kind
+
+
+def test_gradcheck_nodal_state_and_inputs():
+    """Gradients w.r.t. the initial state and the motor angles (for model-based control)."""
+    s = small_structure()
+    eng = make_engine(s)
+    p = eng.default_params()
+    s0 = eng.initial_state()
+    u, ud = _motor_inputs(4, 2)
+
+    def f(x, uu):
+        return eng.rollout(p, s0.replace(positions=x), Inputs(motor_angles=uu, motor_velocities=ud), 0.01).positions
+
+    assert gradcheck(f, (s0.positions.clone().requires_grad_(True), u.clone().requires_grad_(True)),
+                     eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("integrator", ["semi_implicit", "rk4"])
+def test_gradcheck_spring_rod_rollout(integrator):
+    s = small_rod_structure()
+    eng = make_engine(s, "spring_rod", integrator)
+    p0 = eng.default_params()
+    s0 = eng.initial_state(velocities=torch.tensor([[0, 0, 0], [0, 0, 0], [0.1, 0.2, -0.1], [-0.1, 0.3, 0.2]],
+                                                   dtype=torch.float64))
+    u, ud = _motor_inputs(5, 1)
+    torch.manual_seed(1)
+    inputs = Inputs(motor_angles=u, motor_velocities=ud,
+                    control_forces=5.0 * torch.randn(5, 1, 1, 3, dtype=torch.float64),
+                    control_arms=torch.tensor([0.0, 0.0, 0.4], dtype=torch.float64).expand(5, 1, 1, 3))
+    for kind in KINDS + ["control_force_scalar"]:
+        x0 = getattr(p0, kind).clone().requires_grad_(True)
+
+        def f(x, kind=kind):
+            st = eng.rollout(p0.replace(**{kind: x}), s0, inputs, 0.01)
+            return torch.cat((st.positions.flatten(), st.rod_orientations.flatten()))
+
+        assert gradcheck(f, (x0,), eps=1e-6, atol=1e-6, rtol=1e-4), kind
+
+
+def test_gradient_through_unconstrained_params():
+    from tensegrity_ros.engine import from_unconstrained, to_unconstrained
+    s = small_structure()
+    eng = make_engine(s)
+    p0 = eng.default_params()
+    z = to_unconstrained(p0).clone().requires_grad_(True)
+    loss = eng.rollout(from_unconstrained(z, p0), eng.initial_state(), None, 0.01, steps=5).positions.square().sum()
+    (g,) = torch.autograd.grad(loss, z)
+    assert g.shape == z.shape and bool(torch.isfinite(g).all())
+    assert float(g.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("backend", ["nodal", "spring_rod"])
+def test_batched_params_equal_per_item(backend):
+    """Three parameter hypotheses at once == three separate runs (params batch broadcast over state batch 1)."""
+    s = small_structure() if backend == "nodal" else small_rod_structure()
+    eng = make_engine(s, backend)
+    p = eng.default_params()
+    hyps = [p, p.replace(stiffness=1.3 * p.stiffness, mass=0.7 * p.mass),
+            p.replace(damping=0.5 * p.damping, rest_length=0.97 * p.rest_length, spool_radius=1.2 * p.spool_radius)]
+    u, ud = _motor_inputs(20, len(s.actuators))
+    inputs = Inputs(motor_angles=u, motor_velocities=ud)
+    s0 = eng.initial_state()
+    batched = eng.rollout(stack_params(hyps), s0, inputs, 0.005)
+    assert batched.positions.shape == (20, 3, len(s.nodes), 3)
+    for i, h in enumerate(hyps):
+        single = eng.rollout(h, s0, inputs, 0.005)
+        torch.testing.assert_close(batched.positions[:, i:i + 1], single.positions, rtol=0, atol=1e-12)
+    # and a state batch of 3 with per-item params
+    s3 = eng.initial_state(batch=3)
+    both = eng.rollout(stack_params(hyps), s3, inputs, 0.005)
+    torch.testing.assert_close(both.positions, batched.positions, rtol=0, atol=1e-12)
+
+
+def test_float32_and_device_follow_inputs():
+    s = load_structure(MODELS / "icosahedron.yaml")
+    eng = make_engine(s)
+    p = eng.default_params()
+    torch.manual_seed(2)
+    s0 = eng.project(p, eng.initial_state(velocities=0.3 * torch.randn(12, 3, dtype=torch.float64)))
+    ref = eng.rollout(p, s0, None, 1e-3, steps=300)
+    # float64 engine constants, float32 state and params: computation follows the state
+    s32 = s0.map(lambda t: t.float())
+    out = eng.rollout(p.map(lambda t: t.float()), s32, None, 1e-3, steps=300)
+    assert out.positions.dtype == torch.float32 and out.positions.device == s32.positions.device
+    assert float((out.positions.double() - ref.positions).abs().max()) < 1e-4
+    assert float(eng.bar_length_error(out).max()) < 1e-5
+    # a float32 engine gives float32 defaults
+    e32 = make_engine(s, dtype=torch.float32)
+    assert e32.default_params().mass.dtype == torch.float32 and e32.initial_state().positions.dtype == torch.float32
+
+
+def test_string_unit_forces_reconstruct_engine_forces():
+    """F = sum_c k_c A_c + zeta_c B_c + sum_b m_b W_b reproduces the engine's nodal forces (reduced: T^T F)."""
+    s = small_structure()
+    eng = make_engine(s)
+    p = eng.default_params()
+    torch.manual_seed(3)
+    st = eng.project(p, eng.initial_state(velocities=0.2 * torch.randn(len(s.nodes), 3, dtype=torch.float64)))
+    u, ud = torch.tensor([[0.3, -0.1]], dtype=torch.float64), torch.tensor([[0.5, 0.2]], dtype=torch.float64)
+    uf = eng.string_unit_forces(p, st, Inputs(motor_angles=u, motor_velocities=ud))
+    F = (torch.einsum("c,bcnk->bnk", p.stiffness, uf.stiffness) + torch.einsum("c,bcnk->bnk", p.damping, uf.damping)
+         + torch.einsum("b,nbk->nk", p.mass, uf.gravity))
+    c = eng.constants
+    der = prepare(c, p)
+    Fq = generalized_forces(c, der, reduce(c, st.positions), reduce(c, st.velocities), u, ud, None)
+    torch.testing.assert_close(F.mT @ c.T, Fq, rtol=1e-12, atol=1e-12)
+    assert bool(uf.active.all())
+    # and the reduced mass matrix pieces are linear in the masses
+    Mq = eng.mass_matrix(p)
+    torch.testing.assert_close(Mq, c.T.T @ eng.mass_matrix(p, reduced=False) @ c.T)
+
+
+def test_compiled_step_matches_eager():
+    """torch.compile path == eager (float64, 1e-12), nodal backend, a few steps on the small structure."""
+    s = small_structure()
+    eng = make_engine(s)
+    p = eng.default_params()
+    u, ud = _motor_inputs(3, 2)
+    st_e = st_c = eng.initial_state()
+    step = eng.compiled_step
+    for t in range(3):
+        inp = Inputs(motor_angles=u[t], motor_velocities=ud[t])
+        st_e = eng.step(p, st_e, inp, 0.01)
+        st_c = step(p, st_c, inp, 0.01)
+    torch.testing.assert_close(st_c.positions, st_e.positions, rtol=0, atol=1e-12)
+    torch.testing.assert_close(st_c.velocities, st_e.velocities, rtol=0, atol=1e-12)
