@@ -24,7 +24,7 @@ import numpy as np
 
 from .errors import DataError
 
-__all__ = ["DataError", "Dataset", "Window", "Derivatives", "make_dataset", "derivatives", "cut_windows",
+__all__ = ["DataError", "Dataset", "Window", "Derivatives", "ScreenReport", "make_dataset", "derivatives", "cut_windows", "screen_dataset",
            "add_marker_noise", "drop_frames"]
 
 
@@ -234,3 +234,66 @@ def drop_frames(data: Dataset, fraction: float, rng: np.random.Generator, *, per
     V = data.valid & ~drop
     X = np.where(V[..., None], data.positions, np.nan)
     return dataclasses.replace(data, positions=X, valid=V, velocities=None)
+
+
+# ---- screening (poisoned data) ------------------------------------------------------------------------
+class ScreenReport(NamedTuple):
+    """What :func:`screen_dataset` rejected: counts of (sample, node) entries."""
+
+    non_finite: int
+    bar_length: int
+    spikes: int
+    valid_fraction: float
+
+
+def screen_dataset(data: Dataset, bar_nodes: np.ndarray, bar_lengths: np.ndarray, *, bar_tol: float = 0.05,
+                   spike_window: int = 3, spike_threshold: float = 8.0, spike_floor_m: float = 0.005,
+                   nodes: Optional[Sequence[int]] = None) -> Tuple[Dataset, ScreenReport]:
+    """Mark implausible samples invalid (never modifies valid values).
+
+    * non-finite positions;
+    * bar-length violations: both ends of a bar measured but |length / nominal - 1| > ``bar_tol``
+      (a swapped or ghost marker) -> both ends invalid at that sample;
+    * spikes (Hampel filter per node and axis over +-``spike_window`` samples): |x - median| >
+      max(``spike_threshold`` * 1.4826 MAD, ``spike_floor_m``).
+    ``valid_fraction`` is reported over ``nodes`` (default all).
+    """
+    X = data.positions
+    V = data.valid & np.all(np.isfinite(X), axis=2)
+    n_nf = int((data.valid & ~V).sum())
+    n_bar = 0
+    if bar_nodes.size:
+        a, b = bar_nodes[:, 0], bar_nodes[:, 1]
+        both = V[:, a] & V[:, b]
+        L = np.linalg.norm(np.where(both[..., None], X[:, b] - X[:, a], 0.0), axis=-1)
+        bad = both & (np.abs(L / bar_lengths[None, :] - 1.0) > bar_tol)
+        if bad.any():
+            inv = np.zeros_like(V)
+            for k in range(bar_nodes.shape[0]):
+                inv[bad[:, k], a[k]] = True
+                inv[bad[:, k], b[k]] = True
+            n_bar = int((inv & V).sum())
+            V = V & ~inv
+    n_sp = 0
+    T = X.shape[0]
+    w = int(spike_window)
+    if w >= 1 and T >= 2 * w + 1:
+        from numpy.lib.stride_tricks import sliding_window_view
+        Xn = np.where(V[..., None], X, np.nan)
+        pad = np.concatenate([np.repeat(Xn[:1], w, 0) * np.nan, Xn, np.repeat(Xn[-1:], w, 0) * np.nan])
+        win = sliding_window_view(pad, 2 * w + 1, axis=0)            # (T, N, 3, 2w+1)
+        with np.errstate(all="ignore"):
+            import warnings
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                med = np.nanmedian(win, axis=-1)
+                mad = 1.4826 * np.nanmedian(np.abs(win - med[..., None]), axis=-1)
+        thr = np.maximum(spike_threshold * np.nan_to_num(mad, nan=np.inf), spike_floor_m)
+        dev = np.abs(np.nan_to_num(Xn - med, nan=0.0))
+        spike = V & np.any(dev > thr, axis=2)
+        n_sp = int(spike.sum())
+        V = V & ~spike
+    idx = np.arange(V.shape[1]) if nodes is None else np.asarray(nodes, dtype=int)
+    frac = float(V[:, idx].mean()) if V.size else 0.0
+    Xo = np.where(V[..., None], X, np.nan)
+    return dataclasses.replace(data, positions=Xo, valid=V), ScreenReport(n_nf, n_bar, n_sp, frac)

@@ -26,10 +26,21 @@ def _kabsch(src, dst) -> Tuple[np.ndarray, np.ndarray]:
     return R, cd - R @ cs
 
 
-try:  # one implementation for the package when the frames module exists
-    from ..frames import fit_rigid_transform  # type: ignore[attr-defined]
-except Exception:  # pragma: no cover - depends on what else is installed
-    fit_rigid_transform = _kabsch
+def _shared_kabsch():
+    """``tensegrity_ros.frames.fit_rigid_transform`` when present and of the same convention, else ours."""
+    try:
+        from ..frames import fit_rigid_transform as f  # type: ignore[attr-defined]
+        src = np.array([[0.0, 0, 0], [1, 0, 0], [0, 2, 0], [0, 0, 3]])
+        R0, t0 = _kabsch(src, src[:, [1, 2, 0]] + [0.5, -1.0, 2.0])
+        R, t = f(src, src @ R0.T + t0)
+        if np.allclose(R, R0, atol=1e-9) and np.allclose(np.ravel(t), t0, atol=1e-9):
+            return f
+    except Exception:  # pragma: no cover - depends on what else is in the package
+        pass
+    return _kabsch
+
+
+fit_rigid_transform = _shared_kabsch()
 
 
 def rotation_angle(R: np.ndarray) -> float:

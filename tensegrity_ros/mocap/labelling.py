@@ -435,7 +435,7 @@ class MarkerLabeller:
                 matched = [(p, L) for p, L in self._partners[i] if assignment[p] >= 0]
                 g = min(g, cfg.reacquire_gate_m if matched else cfg.reacquire_gate_unconstrained_m)
                 gate[i] = g
-                p_i = self._neighbour_prediction(i, Q, assignment)
+                p_i = None if topo.fixed[i] else self._neighbour_prediction(i, Q, assignment)
                 if p_i is not None:
                     pred[i] = p_i
                 d = np.linalg.norm(Q[avail] - pred[i], axis=1)

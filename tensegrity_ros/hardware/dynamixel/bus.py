@@ -215,6 +215,7 @@ class DynamixelBus:
         self.fast_sync_read = fast_sync_read
         self.missing_after = max(1, int(missing_after))
         self.latency_ms = latency_ms
+        self._baud_scan_all = tuple(baud_scan)
         self.baud_scan = tuple(b for b in baud_scan if b != self.baud)
         self.call_timeout_s = call_timeout_s
         self.max_latency_timer_ms = max_latency_timer_ms
@@ -252,14 +253,23 @@ class DynamixelBus:
         return {i: g.fast for g in self._groups for i in g.ids}
 
     # ---- open / close -------------------------------------------------------------------------------
-    def open(self, check_hardware_errors: bool = True) -> "DynamixelBus":
-        """Open the port, ping every motor, read their hardware error status.
+    def open(self, port: Optional[str] = None, baud: Optional[int] = None,
+             check_hardware_errors: bool = True) -> "DynamixelBus":
+        """Open the port (optionally another ``port``/``baud`` than given at construction), ping
+        every motor, read their hardware error status.
 
         Raises PortNotFound, BaudMismatch, NoResponse, MotorMissing, ModelMismatch and (with
         ``check_hardware_errors``) HardwareError; the port is closed again on any failure.
         """
         if self.is_open:
             return self
+        if port is not None:
+            self.port = str(port)
+        if baud is not None:
+            if baud not in SDK_BAUDS:
+                raise ValueError(f"baud {baud} is not supported by dynamixel_sdk (allowed: {SDK_BAUDS})")
+            self.baud = int(baud)
+            self.baud_scan = tuple(b for b in self._baud_scan_all if b != self.baud)
         self._owner = _Owner(f"dxl-bus:{os.path.basename(self.port)}")
         try:
             self._call(self._open_impl)

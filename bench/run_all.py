@@ -1,0 +1,99 @@
+"""`make bench`: every benchmark in one run, printed side by side, figures saved under build/bench/.
+
+Each bench module exposes ``run(...) -> dict`` and writes its own JSON; this script runs them in turn,
+prints a one-screen summary of the headline figures next to their targets, and writes
+``build/bench/summary.json``. Speed lives here, never in timed test assertions.
+
+    python bench/run_all.py [--quick] [--only engine,hardware,identification,graph]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+OUT = ROOT / "build" / "bench"
+
+#: name -> (module in bench/, kwargs for a full run, kwargs for --quick)
+BENCHES = {
+    "engine": ("bench_engine", {}, {"quick": True}),
+    "hardware": ("bench_hardware", {"duration_s": 60.0}, {"duration_s": 10.0}),
+    "identification": ("bench_identification", {"quick": False}, {"quick": True}),
+    "graph": ("bench_graph", {"duration_s": 300.0}, {"duration_s": 30.0}),
+}
+
+#: (bench, json path, label, target text, check) — the headline figures.
+HEADLINES = [
+    ("engine", "manipulator.ratio_b1024_vs_rollout", "manipulator: engine b1024 / mujoco.rollout", ">= 20x", lambda v: v >= 20),
+    ("engine", "icosahedron.ratio_b1024_vs_rollout", "icosahedron: engine b1024 / mujoco.rollout", ">= 20x", lambda v: v >= 20),
+    ("engine", "manipulator.horizon_1s_b1_ms", "manipulator: 1-s horizon, batch 1 [ms]", "< 50", lambda v: v < 50),
+    ("engine", "manipulator.max_abs_error_vs_mujoco_mm", "manipulator: max |engine - MuJoCo| [mm]", "< 5", lambda v: v < 5),
+    ("hardware", "jitter_p99_ms", "driver loop jitter p99 at 80 Hz [ms]", "< 2", lambda v: v < 2),
+    ("hardware", "missed_cycles", "driver missed cycles", "0", lambda v: v == 0),
+    ("identification", "spring_rod.ours.success_rate", "spring-rod success rate (ours)", "1.0", lambda v: v >= 1.0),
+    ("identification", "speedup_vs_best_baseline", "speed-up vs best baseline", ">= 10x", lambda v: v >= 10),
+    ("identification", "manipulator.median_error_pct", "manipulator median param error [%]", "< 2", lambda v: v < 2),
+    ("identification", "manipulator.wall_s", "manipulator identification wall time [s]", "< 10", lambda v: v < 10),
+    ("graph", "latency_p50_ms", "node state -> prediction latency p50 [ms]", "< 5", lambda v: v < 5),
+    ("graph", "latency_p99_ms", "node state -> prediction latency p99 [ms]", "< 20", lambda v: v < 20),
+    ("graph", "dropped_messages", "dropped messages", "0", lambda v: v == 0),
+]
+
+
+def _lookup(tree, dotted: str):
+    for key in dotted.split("."):
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="short runs (minutes instead of ~20 min)")
+    ap.add_argument("--only", default=",".join(BENCHES), help="comma-separated subset of: " + ", ".join(BENCHES))
+    args = ap.parse_args(argv)
+    wanted = [b.strip() for b in args.only.split(",") if b.strip()]
+    unknown = [b for b in wanted if b not in BENCHES]
+    if unknown:
+        ap.error(f"unknown bench {unknown} (valid: {', '.join(BENCHES)})")
+    OUT.mkdir(parents=True, exist_ok=True)
+    results, failures = {}, {}
+    for name in wanted:
+        module, full, quick = BENCHES[name]
+        print(f"\n=== bench: {name} ({module}) ===", flush=True)
+        t0 = time.perf_counter()
+        try:
+            results[name] = importlib.import_module(module).run(**(quick if args.quick else full))
+        except Exception as err:  # keep going: one broken bench must not hide the others' figures
+            traceback.print_exc()
+            failures[name] = f"{type(err).__name__}: {err}"
+        print(f"=== {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+    print("\n" + "=" * 96)
+    print(f"{'headline':<52}{'measured':>14}  {'target':>8}  met")
+    print("-" * 96)
+    for bench, path, label, target, ok in HEADLINES:
+        if bench not in results:
+            continue
+        v = _lookup(results[bench], path)
+        shown = "n/a" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
+        met = "" if v is None else ("yes" if ok(v) else "NO")
+        print(f"{label:<52}{shown:>14}  {target:>8}  {met}")
+    for name, why in failures.items():
+        print(f"{name:<52}{'FAILED':>14}  {why}")
+    (OUT / "summary.json").write_text(json.dumps({"quick": args.quick, "results": results, "failures": failures},
+                                                 indent=2, default=str))
+    print(f"\nfigures: {OUT}/*.json")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
