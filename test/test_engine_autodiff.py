@@ -93,7 +93,7 @@ def test_gradcheck_nodal_rollout(integrator):
         def f(x, kind=kind):
             return eng.rollout(p0.replace(**{kind: x}), s0, inputs, 0.01).positions
 
-        assert gradcheck(f, (x0,), eps=1e-6, atol=1e-6, rtol=1e-4), kind
+        assert gradcheck(f, (x0,), eps=1e-6, atol=1e-6, rtol=1e-4, fast_mode=True), kind
 
 
 def test_gradcheck_nodal_state_and_inputs():
@@ -108,7 +108,7 @@ def test_gradcheck_nodal_state_and_inputs():
         return eng.rollout(p, s0.replace(positions=x), Inputs(motor_angles=uu, motor_velocities=ud), 0.01).positions
 
     assert gradcheck(f, (s0.positions.clone().requires_grad_(True), u.clone().requires_grad_(True)),
-                     eps=1e-6, atol=1e-6, rtol=1e-4)
+                     eps=1e-6, atol=1e-6, rtol=1e-4, fast_mode=True)
 
 
 @pytest.mark.parametrize("integrator", ["semi_implicit", "rk4"])
@@ -130,7 +130,7 @@ def test_gradcheck_spring_rod_rollout(integrator):
             st = eng.rollout(p0.replace(**{kind: x}), s0, inputs, 0.01)
             return torch.cat((st.positions.flatten(), st.rod_orientations.flatten()))
 
-        assert gradcheck(f, (x0,), eps=1e-6, atol=1e-6, rtol=1e-4), kind
+        assert gradcheck(f, (x0,), eps=1e-6, atol=1e-6, rtol=1e-4, fast_mode=True), kind
 
 
 def test_gradient_through_unconstrained_params():

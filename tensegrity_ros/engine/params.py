@@ -313,7 +313,7 @@ def load_params_yaml(path: Union[str, Path], template: Params) -> Params:
     base = template
     if shape and tuple(template.batch_shape) != shape:
         base = template.map(lambda t: t.expand(*shape, *t.shape[len(template.batch_shape):]).clone())
-    return base.with_values({k: torch.as_tensor(v) for k, v in values.items()})
+    return base.with_values({k: torch.as_tensor(v, dtype=torch.float64) for k, v in values.items()})
 
 
 def apply_to_structure(structure: Structure, params: Params,

@@ -1,1 +1,24 @@
-"""System identification (functional core, no ROS): stage 1 regression, stage 2 refinement, uncertainty."""
+"""System identification of tensegrity structures (functional core, no ROS).
+
+* :mod:`.data` -- the :class:`Dataset` record (mocap times, node positions, valid mask, motor angles),
+  windows, derivative estimates, screening of poisoned samples.
+* :mod:`.regression` -- stage 1: closed-form (weighted) least squares of masses, stiffnesses, dampings
+  (and rest-length offsets), bar-length multipliers eliminated by a null-space projection.
+* :mod:`.refine` -- stage 2: all parameters (plus actuator mapping and motor delay) through engine
+  rollouts, multiple shooting, L-BFGS / Adam.
+* :mod:`.uncertainty` -- Gauss-Newton covariance, identifiability, identifiable ratios.
+* :mod:`.pipeline` -- :func:`identify`, the single entry point.
+* :mod:`.baselines` -- least squares (L-BFGS-B) and CMA-ES with MuJoCo in the loop, ``mujoco.sysid``.
+
+See docs/identification.md.
+"""
+from .data import Dataset, Window, add_marker_noise, cut_windows, derivatives, drop_frames, make_dataset, screen_dataset
+from .errors import DataError, DivergenceError, IdentificationError, NotEnoughDataError
+from .pipeline import STAGES, IdentificationResult, IdentifyOptions, identify
+from .refine import RefineOptions, RefineResult, refine
+from .regression import RegressionOptions, RegressionResult, regress
+
+__all__ = ["DataError", "Dataset", "DivergenceError", "IdentificationError", "IdentificationResult", "IdentifyOptions",
+           "NotEnoughDataError", "RefineOptions", "RefineResult", "RegressionOptions", "RegressionResult", "STAGES",
+           "Window", "add_marker_noise", "cut_windows", "derivatives", "drop_frames", "identify", "make_dataset",
+           "refine", "regress", "screen_dataset"]

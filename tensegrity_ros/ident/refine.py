@@ -66,7 +66,9 @@ class RefineOptions:
     prior_weight: weight of |z - z_start|^2 on the free unconstrained parameters (regularisation).
     noise_std_m: the position noise that normalises the loss (and the covariance when not estimated).
     optimizer: ``lbfgs`` | ``adam``; max_iter: iterations; lr: step (1 for L-BFGS, 0.05 for Adam by
-        default); tolerance_grad / tolerance_change: L-BFGS stops; history_size: L-BFGS memory.
+        default); tolerance_grad / tolerance_change: L-BFGS stops; history_size: L-BFGS memory;
+        stall_evaluations / stall_tolerance: stop (converged) after this many evaluations without a relative
+        improvement of the best loss by more than stall_tolerance.
     max_time_s: wall-time budget (the best point so far is returned).
     smooth_window_s: smoothing window for the initial states of noisy data (see data.derivatives).
     device / dtype: where the rollouts run (``"cuda"`` when present).
@@ -96,6 +98,8 @@ class RefineOptions:
     tolerance_grad: float = 1e-9
     tolerance_change: float = 1e-12
     history_size: int = 20
+    stall_evaluations: int = 8
+    stall_tolerance: float = 1e-7
     max_time_s: Optional[float] = None
     derivative_method: str = "auto"
     smooth_window_s: Optional[float] = None
@@ -431,7 +435,10 @@ class RefineProblem:
 # optimisation
 # =====================================================================================================
 class _Stop(Exception):
-    pass
+    def __init__(self, converged: bool = False, why: str = ""):
+        super().__init__(why)
+        self.converged = converged
+        self.why = why
 
 
 def refine(structure: Structure, data: Union[Dataset, Sequence[Dataset]], start: Params,
@@ -454,7 +461,8 @@ def refine(structure: Structure, data: Union[Dataset, Sequence[Dataset]], start:
                          requires_grad=True)
         opt_vars.append(x0)
     history: List[Dict[str, Any]] = []
-    best = {"loss": math.inf, "w": w.detach().clone(), "x0": None if x0 is None else x0.detach().clone()}
+    best = {"loss": math.inf, "w": w.detach().clone(), "x0": None if x0 is None else x0.detach().clone(),
+            "since": 0}
     counters = {"eval": 0, "iter": 0}
     notes: List[str] = []
 
@@ -466,9 +474,22 @@ def refine(structure: Structure, data: Union[Dataset, Sequence[Dataset]], start:
                 "delay_s": float(prob.delay_of(w.detach())), "time_s": time.perf_counter() - t_start}
         history.append(info)
         if callback is not None and callback(info) is True:
-            raise _Stop()
+            raise _Stop(False, "stopped by the callback")
         if opts.max_time_s is not None and info["time_s"] > opts.max_time_s:
-            raise _Stop()
+            raise _Stop(False, f"time budget of {opts.max_time_s:g} s reached")
+        if best["since"] >= opts.stall_evaluations:
+            raise _Stop(True, f"no improvement in the last {opts.stall_evaluations} evaluations")
+
+    def _update_best(val: float):
+        if val < best["loss"] - opts.stall_tolerance * max(abs(best["loss"]) if math.isfinite(best["loss"]) else 0.0,
+                                                          1e-300):
+            best["since"] = 0
+        else:
+            best["since"] += 1
+        if val < best["loss"]:
+            best["loss"] = val
+            best["w"] = w.detach().clone()
+            best["x0"] = None if x0 is None else x0.detach().clone()
 
     def evaluate():
         L = prob.loss(w, x0)
@@ -493,6 +514,7 @@ def refine(structure: Structure, data: Union[Dataset, Sequence[Dataset]], start:
                 for v in opt_vars:
                     v.grad = torch.zeros_like(v)
                 counters["iter"] = lbfgs.state[lbfgs._params[0]].get("n_iter", counters["iter"])
+                best["since"] += 1
                 record(float("inf"))
                 return torch.tensor(1e30 * max(1.0, best["loss"]), dtype=prob.dtype)
             L.backward()
@@ -500,10 +522,7 @@ def refine(structure: Structure, data: Union[Dataset, Sequence[Dataset]], start:
                 if v.grad is not None and not torch.all(torch.isfinite(v.grad)):
                     v.grad = torch.nan_to_num(v.grad, nan=0.0, posinf=0.0, neginf=0.0)
             counters["iter"] = lbfgs.state[lbfgs._params[0]].get("n_iter", counters["iter"])
-            if val < best["loss"]:
-                best["loss"] = val
-                best["w"] = w.detach().clone()
-                best["x0"] = None if x0 is None else x0.detach().clone()
+            _update_best(val)
             record(val)
             return L
 
@@ -511,8 +530,9 @@ def refine(structure: Structure, data: Union[Dataset, Sequence[Dataset]], start:
             lbfgs.step(closure)
             n_iter = lbfgs.state[lbfgs._params[0]].get("n_iter", 0)
             converged = n_iter < opts.max_iter
-        except _Stop:
-            notes.append("stopped by the callback or the time budget")
+        except _Stop as stop:
+            converged = stop.converged
+            notes.append(stop.why)
     else:
         adam = torch.optim.Adam(opt_vars, lr=opts.lr or 0.05)
         sched = torch.optim.lr_scheduler.StepLR(adam, step_size=max(1, opts.adam_halve_every), gamma=0.5)
@@ -528,10 +548,7 @@ def refine(structure: Structure, data: Union[Dataset, Sequence[Dataset]], start:
                         raise DivergenceError("refine: non-finite loss at the starting point")
                     notes.append(f"non-finite loss at iteration {it}; stopped at the best point")
                     break
-                if val < best["loss"]:
-                    best["loss"] = val
-                    best["w"] = w.detach().clone()
-                    best["x0"] = None if x0 is None else x0.detach().clone()
+                _update_best(val)
                 record(val)
                 if abs(prev - val) <= opts.tolerance_change * max(1.0, abs(val)):
                     converged = True
@@ -540,8 +557,9 @@ def refine(structure: Structure, data: Union[Dataset, Sequence[Dataset]], start:
                 L.backward()
                 adam.step()
                 sched.step()
-        except _Stop:
-            notes.append("stopped by the callback or the time budget")
+        except _Stop as stop:
+            converged = stop.converged
+            notes.append(stop.why)
     if not math.isfinite(best["loss"]):
         raise DivergenceError("refine: no finite loss was ever reached")
     w_best, x0_best = best["w"], best["x0"]

@@ -71,8 +71,8 @@ class RegressionOptions:
         mass of the bars that move).
     derivative_method / smooth_window_s: see :func:`tensegrity_ros.ident.data.derivatives`.
     delay_s: motor-to-mocap delay applied to the motor angles (u(t - delay)), s.
-    relinearize: extra passes that re-linearise rest lengths and re-evaluate the taut gates (default: 2
-        when rest lengths are estimated, else 1).
+    relinearize: at most this many extra passes that re-linearise the rest lengths and re-evaluate the taut
+        gates, stopping when nothing changes (default: 8 when rest lengths are estimated, else 2).
     outlier_threshold / outlier_min_relative: a sample whose relative residual (residual RMS over the RMS
         of the sum of the magnitudes of its terms) exceeds both median + threshold * 1.4826 MAD and
         ``outlier_min_relative`` is dropped and the system re-solved once (None: off).
@@ -359,25 +359,32 @@ def _design(top: Topology, S: _Samples, Z: np.ndarray, cur: Dict[str, np.ndarray
     tension = cur["stiffness"][None] * a + cur["damping"][None] * Dd
     gate = ((D > 0) & (tension > 0)).astype(float)
     patt = -np.einsum("sc,sf,tsk->tcfk", top.G, top.Cs_q, e, optimize=True)        # (n, S, nf, 3) reduced unit-tension forces
-    cols = []
-    for kind, el in zip(lay.kinds, lay.elem):
+    def column(kind, el):
         if kind == "mass":
-            c = Eq[el] @ S.A - top.W_q[:, el][None, :, None] * top.gravity[None, None]
-        elif kind == "stiffness":
-            c = -(gate[:, el] * a[:, el])[:, None, None] * patt[:, el]
-        elif kind == "damping":
-            c = -(gate[:, el] * Dd[:, el])[:, None, None] * patt[:, el]
-        elif kind == "rest_length":
-            c = -(gate[:, el] * b[:, el])[:, None, None] * patt[:, el]
-        elif kind == "control_force_scalar":
-            c = -(S.fctrl if S.fctrl is not None else np.zeros_like(S.Q))
-        else:  # pragma: no cover
-            raise AssertionError(kind)
-        cols.append(c.reshape(n, 3 * nf))
-    Xfull = np.stack(cols, axis=-1)                                  # (n, 3nf, p)
+            return Eq[el] @ S.A - top.W_q[:, el][None, :, None] * top.gravity[None, None]
+        if kind == "stiffness":
+            return -(gate[:, el] * a[:, el])[:, None, None] * patt[:, el]
+        if kind == "damping":
+            return -(gate[:, el] * Dd[:, el])[:, None, None] * patt[:, el]
+        if kind == "rest_length":
+            return -(gate[:, el] * b[:, el])[:, None, None] * patt[:, el]
+        if kind == "control_force_scalar":
+            return -(S.fctrl if S.fctrl is not None else np.zeros_like(S.Q))
+        raise AssertionError(kind)  # pragma: no cover
+
+    Xfull = np.stack([column(k, e).reshape(n, 3 * nf) for k, e in zip(lay.kinds, lay.elem)], axis=-1)
     rhs = np.zeros((n, 3 * nf)) if S.fext is None else S.fext.reshape(n, 3 * nf).copy()
     for idx, val in known_full.items():
         rhs -= Xfull[:, :, idx] * val
+    # terms of the kinds that are not estimated, at their current (prior or known) values
+    estimated = set(zip(lay.kinds, lay.elem))
+    n_el = {"mass": top.n_bars, "stiffness": top.n_strings, "damping": top.n_strings}
+    for kind, count in n_el.items():
+        for el in range(count):
+            if (kind, el) not in estimated and cur[kind][el] != 0:
+                rhs -= column(kind, el).reshape(n, 3 * nf) * cur[kind][el]
+    if S.fctrl is not None and ("control_force_scalar", 0) not in estimated:
+        rhs -= column("control_force_scalar", 0).reshape(n, 3 * nf) * cur["control_force_scalar"][0]
     Zt = np.swapaxes(Z, 1, 2)
     Xp = Zt @ Xfull                                                  # project: (n, m, p)
     yp = (Zt @ rhs[..., None])[..., 0]
@@ -553,7 +560,7 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
                                  "unknowns")
     movable = np.abs(top.Cb_q).sum(axis=1) > 0   # bars that move (mass enters the dynamics)
     rest_est = "rest_length" in opts.estimate
-    n_pass = 1 + max(0, int(opts.relinearize if opts.relinearize is not None else (2 if rest_est else 1)))
+    n_pass = 1 + max(0, int(opts.relinearize if opts.relinearize is not None else (8 if rest_est else 2)))
 
     def one_pass(S, Z, update: bool):
         X, y, row_sample = _design(top, S, Z, cur, lay, known_full, Eq)
@@ -607,10 +614,16 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
         return th, N, Pz, null_dirs, rel_sv, A, res, row_sample, Xr, y, gauge, homogeneous, d
 
     def solve_all(S, Z):
-        sol = None
+        sol, prev = None, None
         for it in range(n_pass):
-            # the last pass only re-solves at the final linearisation point (its deviation is ~0)
+            rest_before = cur["rest_length"].copy()
             sol = one_pass(S, Z, update=True)
+            th = sol[0]
+            moved = np.abs(cur["rest_length"] - rest_before).max() if rest_est else 0.0
+            if prev is not None and moved < 1e-9 and \
+                    np.all(np.abs(th - prev) <= 1e-9 * np.maximum(np.abs(th), 1e-300)):
+                break
+            prev = th
         return sol
 
     sol = solve_all(S, Z)

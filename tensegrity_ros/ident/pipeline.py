@@ -1,0 +1,358 @@
+"""The single identification entry point: screening, stage 1 (regression), stage 2 (refinement), covariance.
+
+    from tensegrity_ros.ident import identify, IdentifyOptions
+    res = identify(structure, dataset, stages=("regression", "refine"), options=IdentifyOptions(...))
+    if res.ok: use(res.params, res.std_devs)       # else keep the last good set (res.error says why)
+
+Used by ``tensegrity identify`` (bags), the online identifier node (sliding windows, warm start from the
+last good params via ``prior=``, ``device="cuda"`` when present) and the tests. Never raises on bad data
+unless ``raise_errors``: a poisoned window gives ``ok=False`` with a typed ``error``
+(:mod:`tensegrity_ros.ident.errors`) and the prior params, never a NaN result.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from ..engine import Params, build_topology, params_from_structure
+from ..model import Structure
+from .data import Dataset, screen_dataset
+from .errors import DataError, DivergenceError, IdentificationError, NotEnoughDataError
+from .refine import RefineOptions, RefineProblem, RefineResult, refine
+from .regression import RegressionOptions, RegressionResult, regress
+
+__all__ = ["IdentifyOptions", "IdentificationResult", "identify", "STAGES"]
+
+STAGES = ("regression", "refine")
+
+
+@dataclass(frozen=True)
+class IdentifyOptions:
+    """Options of :func:`identify` (the stage options can be overridden field by field).
+
+    backend / integrator: engine used by the refinement (``spring_rod`` also switches the regression to
+        the cylinder inertia of that engine).
+    estimate: kinds estimated by stage 1 (``mass, stiffness, damping`` [+ ``rest_length``,
+        ``control_force_scalar``]).
+    refine_kinds: kinds freed in stage 2 (default: ``estimate``); add ``rest_length``, ``spool_radius``,
+        ``zero_offset`` (never together with ``rest_length`` of the same actuated string: collinear).
+    known / ties / total_mass: exactly known values, shared values, the scale anchor (see the stages).
+    estimate_delay / delay_s: motor-to-mocap delay (estimated in stage 2; stage 1 uses ``delay_s``).
+    noise_std_m: marker noise (None: estimated from the residuals).
+    derivative_method / smooth_window_s: derivative estimates (see :func:`~tensegrity_ros.ident.data.derivatives`).
+    window_s / max_windows / sim_dt / optimize_initial_states / max_iter / optimizer / max_time_s:
+        the main stage-2 knobs; ``refine`` and ``regression``: any other field of
+        :class:`RefineOptions` / :class:`RegressionOptions`.
+    covariance: compute the Gauss-Newton covariance after stage 2 (``covariance_windows`` windows).
+    screen: reject non-finite, bar-length-violating (``bar_tol``) and spiking samples first;
+        min_valid_fraction: below this fraction of valid free-node samples the data are refused.
+    device: ``None``/``"cpu"``, ``"cuda"`` or ``"auto"`` (cuda when available) for stage 2.
+    num_threads: torch intra-op threads during the call (1 is fastest for these small batched ops on a
+        busy CPU; None: leave torch's setting).
+    raise_errors: raise the typed errors instead of returning ``ok=False``.
+    """
+
+    backend: str = "nodal"
+    integrator: str = "semi_implicit"
+    estimate: Tuple[str, ...] = ("mass", "stiffness", "damping")
+    refine_kinds: Optional[Tuple[str, ...]] = None
+    known: Mapping[str, float] = field(default_factory=dict)
+    ties: Tuple[Union[str, Tuple[str, ...]], ...] = ()
+    total_mass: Optional[float] = None
+    estimate_delay: bool = False
+    delay_s: float = 0.0
+    noise_std_m: Optional[float] = None
+    derivative_method: str = "auto"
+    smooth_window_s: Optional[float] = None
+    window_s: float = 0.25
+    max_windows: Optional[int] = None
+    sim_dt: Optional[float] = None
+    optimize_initial_states: bool = True
+    max_iter: int = 50
+    optimizer: str = "lbfgs"
+    max_time_s: Optional[float] = None
+    regression: Mapping[str, Any] = field(default_factory=dict)
+    refine: Mapping[str, Any] = field(default_factory=dict)
+    covariance: bool = True
+    covariance_windows: int = 16
+    screen: bool = True
+    bar_tol: float = 0.05
+    min_valid_fraction: float = 0.3
+    device: Optional[str] = None
+    num_threads: Optional[int] = 1
+    raise_errors: bool = False
+
+    def __post_init__(self):
+        if self.backend not in ("nodal", "spring_rod"):
+            raise ValueError(f"IdentifyOptions.backend = {self.backend!r} (valid: nodal, spring_rod)")
+
+
+@dataclass
+class IdentificationResult:
+    """Result of :func:`identify`.
+
+    ok: False when the data were refused or a stage failed (then ``params`` is the prior and ``error`` the
+        typed exception); params: identified params (unbatched, float64, CPU).
+    std_devs / identifiability / identifiable: by parameter name (estimated parameters only; ``delay_s``
+        when estimated). identifiability in [0, 1]; 0 = not identifiable from these data.
+    ratios: ``{"a/b": (value, std)}`` when only ratios are identifiable (scale gauge), e.g.
+        ``s1.stiffness/rod.mass``.
+    non_identifiable: readable non-identifiable / weakly identifiable combinations.
+    residual_rms_m: RMS 3-D position error of the multiple-shooting prediction at the result (m), NaN if
+        it could not be evaluated; history: per loss evaluation {stage, iteration, loss, params, delay_s,
+        time_s} (convergence plots); converged; delay_s; notes; timings (s per stage);
+    regression / refinement: the stage results (None when not run).
+    """
+
+    ok: bool
+    params: Params
+    std_devs: Dict[str, float]
+    identifiability: Dict[str, float]
+    identifiable: Dict[str, bool]
+    ratios: Dict[str, Tuple[float, float]]
+    non_identifiable: List[str]
+    residual_rms_m: float
+    history: List[Dict[str, Any]]
+    converged: bool
+    delay_s: float
+    notes: List[str]
+    timings: Dict[str, float]
+    error: Optional[Exception] = None
+    regression: Optional[RegressionResult] = None
+    refinement: Optional[RefineResult] = None
+
+    def values(self) -> Dict[str, float]:
+        """name -> identified value (all parameters)."""
+        return {n: float(v) for n, v in self.params.named().items()}
+
+    def summary(self) -> str:
+        """A human-readable table of the estimated parameters."""
+        lines = [f"identification {'OK' if self.ok else 'FAILED: ' + str(self.error)}; residual RMS "
+                 f"{self.residual_rms_m * 1e3:.3f} mm; converged={self.converged}"]
+        vals = self.values()
+        for n in self.std_devs:
+            v = vals.get(n, self.delay_s if n == "delay_s" else float("nan"))
+            flag = "" if self.identifiable.get(n, False) else "  (not identifiable individually)"
+            lines.append(f"  {n:28s} {v:14.6g} +- {self.std_devs[n]:.3g}  ident {self.identifiability.get(n, 0):.2f}{flag}")
+        for n, (v, s) in self.ratios.items():
+            lines.append(f"  ratio {n:40s} {v:14.6g} +- {s:.3g}")
+        for d in self.non_identifiable:
+            lines.append(f"  ! {d}")
+        lines += [f"  note: {x}" for x in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-ready summary (no tensors)."""
+        return {"ok": self.ok, "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}",
+                "params": self.values(), "std_devs": dict(self.std_devs),
+                "identifiability": dict(self.identifiability), "identifiable": dict(self.identifiable),
+                "ratios": {k: list(v) for k, v in self.ratios.items()}, "non_identifiable": list(self.non_identifiable),
+                "residual_rms_m": self.residual_rms_m, "converged": self.converged, "delay_s": self.delay_s,
+                "notes": list(self.notes), "timings": dict(self.timings)}
+
+
+@contextmanager
+def _threads(n: Optional[int]):
+    if n is None:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _positive(params: Params, prior: Params, notes: List[str]) -> Params:
+    """Replace non-finite or non-positive scale parameters (a poor stage-1 fit) by the prior's."""
+    repl = {}
+    for kind in ("stiffness", "damping", "mass"):
+        v, p = getattr(params, kind), getattr(prior, kind)
+        bad = ~torch.isfinite(v) | (v <= 0)
+        if kind == "damping":
+            bad = ~torch.isfinite(v) | (v < 0)
+        if bool(bad.any()):
+            names = [e for e, b in zip(params.meta.elements(kind), bad.tolist()) if b]
+            notes.append(f"stage 1 gave non-positive {kind} for {names}; stage 2 starts them from the prior")
+            repl[kind] = torch.where(bad, p, v)
+    rl = params.rest_length
+    nom = torch.tensor(params.meta.nominal_rest_length, dtype=rl.dtype)
+    bad = ~torch.isfinite(rl) | (rl <= 0.5 * nom) | (rl >= 1.5 * nom)
+    if bool(bad.any()):
+        repl["rest_length"] = torch.where(bad, prior.rest_length, rl)
+    return params.replace(**repl) if repl else params
+
+
+def _finite(params: Params) -> bool:
+    return all(bool(torch.all(torch.isfinite(t))) for t in (params.stiffness, params.damping, params.rest_length,
+                                                             params.mass, params.spool_radius, params.zero_offset))
+
+
+def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *,
+             stages: Sequence[str] = STAGES, options: IdentifyOptions = IdentifyOptions(),
+             prior: Optional[Params] = None, callback: Optional[Callable[[Dict[str, Any]], Any]] = None
+             ) -> IdentificationResult:
+    """Identify the parameters of ``structure`` from ``dataset`` (one recording or several).
+
+    stages: any of ``regression`` (closed-form stage 1) and ``refine`` (stage 2 through engine rollouts),
+    in that order. prior: the starting / nominal params (default: the structure file's; the online node
+    passes its last good set). callback(info): progress after every stage-2 evaluation (return True to
+    stop early) and once after stage 1.
+    """
+    opts = options
+    bad = [s for s in stages if s not in STAGES]
+    if bad or not stages:
+        raise ValueError(f"identify: unknown stage(s) {bad or stages} (valid: {', '.join(STAGES)})")
+    t0 = time.perf_counter()
+    datasets = [dataset] if isinstance(dataset, Dataset) else list(dataset)
+    if prior is None:
+        prior = params_from_structure(structure, control_force_scalar=1.0 if opts.backend == "spring_rod" else None)
+    prior = prior.map(lambda t: t.detach().cpu().double())
+    notes: List[str] = []
+    timings: Dict[str, float] = {}
+    history: List[Dict[str, Any]] = []
+    reg: Optional[RegressionResult] = None
+    ref: Optional[RefineResult] = None
+    params = prior
+    std: Dict[str, float] = {}
+    ident: Dict[str, float] = {}
+    identifiable: Dict[str, bool] = {}
+    ratios: Dict[str, Tuple[float, float]] = {}
+    nonid: List[str] = []
+    rms = float("nan")
+    converged = False
+    delay = float(opts.delay_s)
+    device = opts.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else None
+    try:
+        with _threads(opts.num_threads):
+            # ---- screening -------------------------------------------------------------------------
+            top = build_topology(structure)
+            free = np.asarray(top.free_nodes, dtype=int)
+            if opts.screen:
+                screened = []
+                for d in datasets:
+                    if d.positions.shape[1] != top.n_nodes:
+                        raise DataError(f"dataset has {d.positions.shape[1]} nodes; structure {structure.name!r} has "
+                                        f"{top.n_nodes}")
+                    if d.motor_angles is not None and not np.all(np.isfinite(d.motor_angles)):
+                        raise DataError("motor angles contain non-finite values")
+                    d2, rep = screen_dataset(d, top.bar_nodes, top.bar_lengths, bar_tol=opts.bar_tol, nodes=free)
+                    if rep.non_finite or rep.bar_length or rep.spikes:
+                        notes.append(f"screening rejected {rep.non_finite} non-finite, {rep.bar_length} bar-length "
+                                     f"and {rep.spikes} spike sample(s)")
+                    if rep.valid_fraction < opts.min_valid_fraction:
+                        raise NotEnoughDataError(f"only {rep.valid_fraction:.0%} of the free-node samples are valid "
+                                                 f"(< {opts.min_valid_fraction:.0%})")
+                    screened.append(d2)
+                datasets = screened
+            # ---- stage 1 -------------------------------------------------------------------------------
+            if "regression" in stages:
+                ts = time.perf_counter()
+                ropts = RegressionOptions(**{**dict(
+                    estimate=tuple(opts.estimate), known=dict(opts.known), ties=tuple(opts.ties),
+                    total_mass=opts.total_mass, derivative_method=opts.derivative_method,
+                    smooth_window_s=opts.smooth_window_s, delay_s=opts.delay_s,
+                    mass_model="cylinder" if opts.backend == "spring_rod" else "thin"), **dict(opts.regression)})
+                reg = regress(structure, datasets, prior, ropts)
+                params = reg.params
+                if not _finite(params):
+                    raise IdentificationError("stage 1 produced non-finite parameters")
+                std.update(reg.std_devs)
+                ident.update(reg.identifiability)
+                identifiable.update(reg.identifiable)
+                ratios.update(reg.ratios)
+                nonid.extend(reg.non_identifiable)
+                notes.extend(reg.notes)
+                timings["regression"] = time.perf_counter() - ts
+                info = {"stage": "regression", "iteration": 0, "evaluation": 0, "loss": float(reg.residual_rms),
+                        "params": {n: float(v) for n, v in params.named().items()}, "delay_s": delay,
+                        "time_s": time.perf_counter() - t0}
+                history.append(info)
+                if callback is not None:
+                    callback(info)
+                converged = True
+            # ---- stage 2 -------------------------------------------------------------------------------
+            if "refine" in stages:
+                ts = time.perf_counter()
+                start = _positive(params, prior, notes)
+                kinds = tuple(opts.refine_kinds) if opts.refine_kinds is not None else tuple(opts.estimate)
+                fopts = RefineOptions(**{**dict(
+                    kinds=kinds, known=dict(opts.known), ties=tuple(opts.ties), total_mass=opts.total_mass,
+                    estimate_delay=opts.estimate_delay, delay_s=opts.delay_s, window_s=opts.window_s,
+                    max_windows=opts.max_windows, sim_dt=opts.sim_dt,
+                    optimize_initial_states=opts.optimize_initial_states, max_iter=opts.max_iter,
+                    optimizer=opts.optimizer, max_time_s=opts.max_time_s,
+                    noise_std_m=opts.noise_std_m if opts.noise_std_m is not None else 1e-3,
+                    derivative_method=opts.derivative_method, smooth_window_s=opts.smooth_window_s,
+                    device=device), **dict(opts.refine)})
+                ref = refine(structure, datasets, start, fopts, backend=opts.backend, integrator=opts.integrator,
+                             callback=callback)
+                params = ref.params
+                delay = ref.delay_s
+                rms = ref.residual_rms_m
+                converged = ref.converged
+                notes.extend(ref.notes)
+                history.extend(ref.history)
+                timings["refine"] = time.perf_counter() - ts
+                if not _finite(params) or not math.isfinite(ref.loss):
+                    raise DivergenceError("stage 2 produced non-finite parameters")
+                if opts.covariance:
+                    ts = time.perf_counter()
+                    from .uncertainty import gauss_newton_covariance
+                    cov = gauss_newton_covariance(ref.problem, ref.w, ref.x0, noise_std_m=opts.noise_std_m,
+                                                  max_windows=opts.covariance_windows)
+                    # stage-2 values supersede stage 1 for the parameters it estimated
+                    for n in cov.names:
+                        std[n] = cov.std_devs[n]
+                        ident[n] = cov.identifiability[n]
+                        identifiable[n] = cov.identifiable[n]
+                    if cov.ratios or ref.problem.gauge:
+                        ratios = dict(cov.ratios)
+                    nonid = [d for d in nonid if d.startswith("scale")] if ref.problem.gauge else []
+                    nonid.extend(cov.weak_directions)
+                    notes.extend(cov.notes)
+                    timings["covariance"] = time.perf_counter() - ts
+                # the stage-1 values of parameters stage 2 did not free are kept; rest lengths etc. updated
+            elif reg is not None:
+                # residual of the stage-1 result (one forward multiple-shooting evaluation)
+                try:
+                    prob = RefineProblem(structure, datasets, params, RefineOptions(
+                        kinds=(), window_s=opts.window_s, max_windows=opts.max_windows or 16, sim_dt=opts.sim_dt,
+                        optimize_initial_states=False, derivative_method=opts.derivative_method,
+                        smooth_window_s=opts.smooth_window_s, delay_s=opts.delay_s, device=device),
+                        backend=opts.backend, integrator=opts.integrator)
+                    with torch.no_grad():
+                        r = prob.residuals(prob.initial_w(opts.delay_s), None)
+                        rms = float(torch.sqrt((r * r).sum() / max(prob.n_obs, 1)))
+                except IdentificationError as exc:  # too short for a window: no residual
+                    notes.append(f"no prediction residual: {exc}")
+            if not math.isfinite(rms) and "refine" in stages:
+                raise DivergenceError("non-finite prediction residual")
+        timings["total"] = time.perf_counter() - t0
+        return IdentificationResult(ok=True, params=params, std_devs=std, identifiability=ident,
+                                    identifiable=identifiable, ratios=ratios, non_identifiable=nonid,
+                                    residual_rms_m=rms, history=history, converged=converged, delay_s=delay,
+                                    notes=notes, timings=timings, regression=reg, refinement=ref)
+    except (IdentificationError, RuntimeError, np.linalg.LinAlgError, FloatingPointError) as exc:
+        if not isinstance(exc, IdentificationError):
+            wrapped = DivergenceError(f"{type(exc).__name__}: {exc}")
+            wrapped.__cause__ = exc
+            exc = wrapped
+        if opts.raise_errors:
+            raise exc
+        timings["total"] = time.perf_counter() - t0
+        notes.append(f"identification failed ({type(exc).__name__}): {exc}; returning the prior")
+        return IdentificationResult(ok=False, params=prior, std_devs={}, identifiability={}, identifiable={},
+                                    ratios={}, non_identifiable=[], residual_rms_m=float("nan"), history=history,
+                                    converged=False, delay_s=float(opts.delay_s), notes=notes, timings=timings,
+                                    error=exc, regression=reg, refinement=ref)

@@ -1,0 +1,116 @@
+"""Synthetic identification data from the engines (tests, benchmarks) and small example structures.
+
+Ground truth for the benchmarks comes from the MuJoCo twin (see bench/bench_identification.py); these
+helpers make engine-generated data, where the model is exact, for unit tests.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..engine import Inputs, Params, make_engine
+from ..model import Structure, structure_from_dict
+from .data import Dataset, make_dataset
+
+__all__ = ["actuated_pendulum", "random_initial_state", "simulate_dataset", "perturb"]
+
+
+def actuated_pendulum(delay_free: bool = True) -> Structure:
+    """A 1 m, 1 kg rod hung from four fixed anchors by four strings, two of them actuated (m1 on s1, m2 on
+    s2; spool radius 10 mm), with gravity: the smallest actuated example (rest lengths, spool radii and
+    a motor delay are identifiable from its motion)."""
+    d = {
+        "name": "actuated_pendulum",
+        "description": "1 m rod hung by two actuated vertical strings and two lateral strings (test example).",
+        "gravity": [0.0, 0.0, -9.81],
+        "nodes": [
+            {"name": "a1", "position": [0.0, 0.0, 1.0], "fixed": True},
+            {"name": "a2", "position": [1.0, 0.0, 1.0], "fixed": True},
+            {"name": "a3", "position": [0.5, 1.0, 0.0], "fixed": True},
+            {"name": "a4", "position": [0.5, -1.0, 0.0], "fixed": True},
+            {"name": "n1", "position": [0.0, 0.0, 0.0]},
+            {"name": "n2", "position": [1.0, 0.0, 0.0]},
+        ],
+        "bars": [{"name": "rod", "nodes": ["n1", "n2"], "mass": 1.0, "radius": 0.01}],
+        "actuators": [
+            {"name": "m1", "motor_id": 1, "spool_radius": 0.01, "direction": 1, "zero_offset": 0.0},
+            {"name": "m2", "motor_id": 2, "spool_radius": 0.01, "direction": 1, "zero_offset": 0.0},
+        ],
+        "strings": [
+            {"name": "s1", "nodes": ["a1", "n1"], "stiffness": 200.0, "damping": 2.0, "rest_length": 0.95,
+             "actuator": "m1"},
+            {"name": "s2", "nodes": ["a2", "n2"], "stiffness": 200.0, "damping": 2.0, "rest_length": 0.95,
+             "actuator": "m2"},
+            {"name": "s3", "nodes": ["a3", "n2"], "stiffness": 100.0, "damping": 1.0, "rest_length": 1.08},
+            {"name": "s4", "nodes": ["a4", "n1"], "stiffness": 100.0, "damping": 1.0, "rest_length": 1.08},
+        ],
+    }
+    return structure_from_dict(d)
+
+
+def random_initial_state(structure: Structure, rng: np.random.Generator, pos_std: float = 0.05,
+                         vel_std: float = 0.3, params: Optional[Params] = None, backend: str = "nodal"
+                         ) -> Tuple[np.ndarray, np.ndarray]:
+    """Random node positions/velocities (N, 3) near the file geometry, consistent with the bar lengths."""
+    eng = make_engine(structure, backend=backend)
+    X0 = eng.topology.X0.copy()
+    free = ~np.array([n.fixed for n in structure.nodes])
+    X = X0 + np.where(free[:, None], rng.normal(0.0, pos_std, X0.shape), 0.0)
+    V = np.where(free[:, None], rng.normal(0.0, vel_std, X0.shape), 0.0)
+    p = params if params is not None else eng.default_params()
+    st = eng.initial_state(torch.as_tensor(X), torch.as_tensor(V))
+    if hasattr(eng, "project"):
+        st = eng.project(p, st)
+    return st.positions[0].numpy(), st.velocities[0].numpy()
+
+
+def simulate_dataset(structure: Structure, params: Params, X0: np.ndarray, V0: np.ndarray, *, dt: float,
+                     steps: int, every: int = 1, motor_fn: Optional[Callable[[np.ndarray], np.ndarray]] = None,
+                     motor_delay_s: float = 0.0, control_forces: Optional[np.ndarray] = None,
+                     control_arms: Optional[np.ndarray] = None, backend: str = "nodal",
+                     integrator: str = "semi_implicit") -> Dataset:
+    """Roll the engine out from (X0, V0) for ``steps`` steps of ``dt`` and record every ``every``-th state.
+
+    motor_fn(t (T,)) -> (T, A) motor angles (rad); the engine sees u(t - motor_delay_s) at the start of
+    each step while the dataset records u(t) (a motor-to-mocap delay). control_forces: (steps, R, 3) N
+    (spring_rod backend). The recorded sample 0 is the initial state.
+    """
+    eng = make_engine(structure, backend=backend, integrator=integrator)
+    st = eng.initial_state(torch.as_tensor(X0), torch.as_tensor(V0))
+    t_steps = np.arange(steps) * dt
+    kw = {}
+    if motor_fn is not None:
+        u = np.asarray(motor_fn(t_steps - motor_delay_s), dtype=np.float64)
+        un = np.asarray(motor_fn(t_steps + dt - motor_delay_s), dtype=np.float64)
+        kw["motor_angles"] = torch.as_tensor(u)[:, None]
+        kw["motor_velocities"] = torch.as_tensor((un - u) / dt)[:, None]
+    if control_forces is not None:
+        kw["control_forces"] = torch.as_tensor(control_forces)[:, None]
+        if control_arms is not None:
+            kw["control_arms"] = torch.as_tensor(control_arms)[:, None]
+    with torch.no_grad():
+        out = eng.rollout(params.map(lambda t: t.double()), st, Inputs(**kw) if kw else None, dt=dt,
+                          steps=None if kw else steps)
+    X = np.concatenate([st.positions.numpy(), out.positions[:, 0].numpy()])[::every]
+    V = np.concatenate([st.velocities.numpy(), out.velocities[:, 0].numpy()])[::every]
+    t = np.arange(steps + 1)[::every] * dt
+    U = None
+    if motor_fn is not None:
+        U = np.asarray(motor_fn(t), dtype=np.float64)
+    Fc = Arm = None
+    if control_forces is not None:
+        Fc = np.concatenate([control_forces, control_forces[-1:]])[::every]
+        if control_arms is not None:
+            Arm = np.concatenate([control_arms, control_arms[-1:]])[::every]
+    return make_dataset(t, X, None, U, velocities=V, control_forces=Fc, control_arms=Arm,
+                        node_names=structure.node_names, actuator_names=tuple(a.name for a in structure.actuators),
+                        name=structure.name, dt=dt * every)
+
+
+def perturb(params: Params, names: Sequence[str], rng: np.random.Generator, rel: float = 0.2) -> Params:
+    """Multiply the named values by independent factors exp(N(0, rel)) clipped to [1 - 2 rel, 1 + 2 rel]."""
+    vals = params.named()
+    f = np.clip(np.exp(rng.normal(0.0, rel, len(names))), 1 - 2 * rel, 1 + 2 * rel)
+    return params.with_values({n: float(vals[n]) * float(k) for n, k in zip(names, f)})
