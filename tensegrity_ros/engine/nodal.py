@@ -37,6 +37,35 @@ from .topology import Topology, build_topology
 # Internal layout is the seed's: coordinates first, nodes last (Q: (B, 3, n_free)), so every constant
 # matrix multiplies from the right and batched products fold into one matrix multiply.
 # =====================================================================================================
+def _gather_form(M: np.ndarray):
+    """(idx, w) with X @ M == (X[..., idx] * w).sum(-1); idx, w: (k_out, max nonzeros per column)."""
+    k_in, k_out = M.shape
+    nnz = [np.flatnonzero(M[:, o]) for o in range(k_out)]
+    width = max([1] + [len(z) for z in nnz])
+    idx = np.zeros((k_out, width), dtype=np.int64)
+    w = np.zeros((k_out, width))
+    for o, z in enumerate(nnz):
+        idx[o, :len(z)] = z
+        w[o, :len(z)] = M[z, o]
+    return idx, w
+
+
+def rmul(X: torch.Tensor, M: torch.Tensor, idx: Optional[torch.Tensor] = None, w: Optional[torch.Tensor] = None,
+         fused: bool = False) -> torch.Tensor:
+    """X (..., k_in) @ M (k_in, k_out) or batched M (Bp, k_in, k_out).
+
+    ``fused``: as elementwise products and sums (a gather for sparse constant matrices given as idx, w),
+    which torch.compile fuses into a few loops instead of calling small matrix multiplies.
+    """
+    if not fused:
+        return X @ M
+    if idx is not None:
+        return (X[..., idx] * w).sum(-1)
+    if M.dim() == 2:
+        return (X.unsqueeze(-1) * M).sum(-2)
+    return (X.unsqueeze(-1) * M.unsqueeze(-3)).sum(-2)
+
+
 @register_tensor_dataclass
 @dataclass(frozen=True)
 class NodalConstants:
@@ -48,6 +77,8 @@ class NodalConstants:
     G: (n_seg, n_strings); Gt: (n_strings, n_seg); Ydir: (n_strings, A); E_q: (n_bars, n_free, n_free);
     WqT: (n_bars, n_free); gravity: (3,) m/s^2; bar_nodes: (n_bars, 2) long; bar_lengths: (n_bars,) m;
     seg_nodes: (n_seg, 2) long; E: (n_bars, N, N); W: (N, n_bars).
+    ``*_i`` / ``*_w``: the same constant matrices in gather form (see :func:`rmul`): for ``X @ M``, output
+    column o is sum_k w[o, k] X[..., i[o, k]] (padded with zero weights).
     """
 
     T: torch.Tensor
@@ -72,12 +103,29 @@ class NodalConstants:
     seg_nodes: torch.Tensor
     E: torch.Tensor
     W: torch.Tensor
+    Cst_i: torch.Tensor
+    Cst_w: torch.Tensor
+    Cs_q_i: torch.Tensor
+    Cs_q_w: torch.Tensor
+    Cbt_i: torch.Tensor
+    Cbt_w: torch.Tensor
+    G_i: torch.Tensor
+    G_w: torch.Tensor
+    Gt_i: torch.Tensor
+    Gt_w: torch.Tensor
+    Tt_i: torch.Tensor
+    Tt_w: torch.Tensor
 
     @staticmethod
     def build(top: Topology, dtype=torch.float64, device=None) -> "NodalConstants":
         act = top.active_bars
         t = lambda x: as_tensor(np.ascontiguousarray(x), dtype, device)  # noqa: E731
-        return NodalConstants(
+        sparse = {}
+        for name, M in (("Cst", top.Cs_q.T), ("Cs_q", top.Cs_q), ("Cbt", top.Cb_q[act].T), ("G", top.G),
+                        ("Gt", top.G.T), ("Tt", top.T.T)):
+            i, w = _gather_form(M)
+            sparse[name + "_i"], sparse[name + "_w"] = t(i), t(w)
+        return NodalConstants(**sparse,
             T=t(top.T), Tt=t(top.T.T), XcT=t(top.Xc.T), free_idx=t(np.array(top.free_nodes, dtype=np.int64)),
             Cb_q=t(top.Cb_q[act]), Cbt=t(top.Cb_q[act].T), dcT=t(top.d_c[act].T), l2=t(top.bar_lengths[act] ** 2),
             Cs_q=t(top.Cs_q), Cst=t(top.Cs_q.T), scT=t(top.s_c.T), G=t(top.G), Gt=t(top.G.T), Ydir=t(top.Ydir),
@@ -162,18 +210,24 @@ def rest_lengths(der: Derived, u: Optional[torch.Tensor], udot: Optional[torch.T
 
 
 def string_law(G: torch.Tensor, s: torch.Tensor, sdot: torch.Tensor, der: Derived, u: Optional[torch.Tensor],
-               udot: Optional[torch.Tensor], coord_dim: int = -2) -> StringState:
+               udot: Optional[torch.Tensor], coord_dim: int = -2, G_gather=None) -> StringState:
     """Composite string tensions from segment vectors.
 
     G: (n_seg, S) simple-to-composite map. s: segment vectors (second minus first node), m, either
     (B, 3, n_seg) (``coord_dim=-2``, internal layout) or (B, n_seg, 3) (``coord_dim=-1``). sdot: their rates,
-    m/s. u: (B, A) motor angles, rad; udot: (B, A) rad/s (or None).
+    m/s. u: (B, A) motor angles, rad; udot: (B, A) rad/s (or None). G_gather: (idx, w) gather form of G
+    (fused products, see :func:`rmul`).
     """
-    xi = torch.linalg.vector_norm(s, dim=coord_dim)                 # (B, ns)
+    if G_gather is None:
+        xi = torch.linalg.vector_norm(s, dim=coord_dim)             # (B, ns)
+    else:
+        xi = torch.sqrt((s * s).sum(coord_dim))
     e = s / xi.unsqueeze(coord_dim)
     xidot = (e * sdot).sum(coord_dim)
-    L = xi @ G                                                      # (B, S)
-    Ldot = xidot @ G
+    fused = G_gather is not None
+    gi, gw = G_gather if fused else (None, None)
+    L = rmul(xi, G, gi, gw, fused)                                  # (B, S)
+    Ldot = rmul(xidot, G, gi, gw, fused)
     xi0, xi0dot = rest_lengths(der, u, udot)
     D = L - xi0
     Ddot = Ldot if xi0dot is None else Ldot - xi0dot
@@ -189,45 +243,65 @@ def string_law(G: torch.Tensor, s: torch.Tensor, sdot: torch.Tensor, der: Derive
 class Options(NamedTuple):
     """Solver options. baumgarte: (alpha 1/s, beta 1/s) constraint stabilisation in the multiplier equation;
     projection_iters: Gauss-Newton position projections after each step (0: off; velocities are projected
-    whenever positions are); solver: 'lapack' | 'unrolled' (see :func:`spd_inverse`)."""
+    whenever positions are); solver: 'lapack' | 'unrolled' (see :func:`spd_inverse`); fused: write every
+    product as gathers/elementwise ops (see :func:`rmul`; the compiled paths use it)."""
 
     baumgarte: Tuple[float, float] = (0.0, 0.0)
     projection_iters: int = 2
     solver: str = "lapack"
+    fused: bool = False
 
 
-def generalized_forces(c: NodalConstants, der: Derived, Q, V, u, udot, fext) -> torch.Tensor:
+def generalized_forces(c: NodalConstants, der: Derived, Q, V, u, udot, fext, fused: bool = False) -> torch.Tensor:
     """F_q^T (B, 3, n_free) N: strings + gravity + external (``fext`` already reduced, (B, 3, n_free))."""
-    s = Q @ c.Cst + c.scT
-    sdot = V @ c.Cst
-    st = string_law(c.G, s, sdot, der, u, udot)
-    seg_t = st.tension @ c.Gt                                       # (B, ns)
-    F = der.FgT - (seg_t.unsqueeze(-2) * st.e) @ c.Cs_q
+    s = rmul(Q, c.Cst, c.Cst_i, c.Cst_w, fused) + c.scT
+    sdot = rmul(V, c.Cst, c.Cst_i, c.Cst_w, fused)
+    st = string_law(c.G, s, sdot, der, u, udot, G_gather=(c.G_i, c.G_w) if fused else None)
+    seg_t = rmul(st.tension, c.Gt, c.Gt_i, c.Gt_w, fused)          # (B, ns)
+    F = der.FgT - rmul(seg_t.unsqueeze(-2) * st.e, c.Cs_q, c.Cs_q_i, c.Cs_q_w, fused)
     if fext is not None:
         F = F + fext
     return F
 
 
+def _bars(c: NodalConstants, Q, fused: bool):
+    return rmul(Q, c.Cbt, c.Cbt_i, c.Cbt_w, fused)
+
+
+def _bar_matrix(der: Derived, d, fused: bool):
+    """A = G * (D D^T): (B, nba, nba) from bar vectors d (B, 3, nba)."""
+    if fused:
+        return der.Gc * (d.unsqueeze(-1) * d.unsqueeze(-2)).sum(-3)
+    return der.Gc * (d.mT @ d)
+
+
+def _solve(Ainv, r, fused: bool):
+    """A^-1 r: (B, nba, nba) x (B, nba) -> (B, 1, nba)."""
+    if fused:
+        return (Ainv * r.unsqueeze(-2)).sum(-1).unsqueeze(-2)
+    return (Ainv @ r.unsqueeze(-1)).mT
+
+
 def accelerations(c: NodalConstants, der: Derived, Q, V, u, udot, fext, opts: Options):
     """Q'' (B, 3, n_free) m/s^2 and A^-1 (B, nba, nba) at the reduced state Q (m), V (m/s)."""
-    F = generalized_forces(c, der, Q, V, u, udot, fext)
-    a0 = F @ der.Minv
+    fused = opts.fused
+    F = generalized_forces(c, der, Q, V, u, udot, fext, fused)
+    a0 = rmul(F, der.Minv, fused=fused)
     if c.Cb_q.shape[0] == 0:
         return a0, None
-    d = Q @ c.Cbt + c.dcT                                           # (B, 3, nba)
-    dd = V @ c.Cbt
-    rhs = -(dd * dd).sum(-2) - (d * (a0 @ c.Cbt)).sum(-2)           # (B, nba)
+    d = _bars(c, Q, fused) + c.dcT                                  # (B, 3, nba)
+    dd = _bars(c, V, fused)
+    rhs = -(dd * dd).sum(-2) - (d * _bars(c, a0, fused)).sum(-2)   # (B, nba)
     alpha, beta = opts.baumgarte
     if alpha or beta:
         g = 0.5 * ((d * d).sum(-2) - c.l2)
         rhs = rhs - 2.0 * alpha * (d * dd).sum(-2) - beta * beta * g
-    A = der.Gc * (d.mT @ d)
-    Ainv = spd_inverse(A, opts.solver)
-    lam = (Ainv @ rhs.unsqueeze(-1)).mT                             # (B, 1, nba)
-    return a0 + (lam * d) @ der.Pt, Ainv
+    Ainv = spd_inverse(_bar_matrix(der, d, fused), opts.solver)
+    lam = _solve(Ainv, rhs, fused)                                  # (B, 1, nba)
+    return a0 + rmul(lam * d, der.Pt, fused=fused), Ainv
 
 
-def project(c: NodalConstants, der: Derived, Q, V, Ainv, iters: int):
+def project(c: NodalConstants, der: Derived, Q, V, Ainv, iters: int, fused: bool = False):
     """Mass-weighted projection of Q (positions) onto |d_b| = l_b and of V onto d_b . d_b' = 0.
 
     Gauss-Newton with the (chord) matrix A^-1 (B, nba, nba) of the step: each iteration reduces the error
@@ -236,13 +310,12 @@ def project(c: NodalConstants, der: Derived, Q, V, Ainv, iters: int):
     if iters <= 0 or Ainv is None:
         return Q, V
     for _ in range(iters):
-        d = Q @ c.Cbt + c.dcT
+        d = _bars(c, Q, fused) + c.dcT
         g = 0.5 * ((d * d).sum(-2) - c.l2)
-        mu = (Ainv @ g.unsqueeze(-1)).mT
-        Q = Q - (mu * d) @ der.Pt
-    d = Q @ c.Cbt + c.dcT
-    nu = (Ainv @ (d * (V @ c.Cbt)).sum(-2).unsqueeze(-1)).mT
-    V = V - (nu * d) @ der.Pt
+        Q = Q - rmul(_solve(Ainv, g, fused) * d, der.Pt, fused=fused)
+    d = _bars(c, Q, fused) + c.dcT
+    nu = _solve(Ainv, (d * _bars(c, V, fused)).sum(-2), fused)
+    V = V - rmul(nu * d, der.Pt, fused=fused)
     return Q, V
 
 
@@ -251,7 +324,7 @@ def step_reduced(c: NodalConstants, der: Derived, Q, V, u, udot, fext, dt: float
     """One step in reduced coordinates: (Q, V) (B, 3, n_free) -> (Q', V'). Inputs held over the step."""
     integrate = integrators.get(integrator)
     Q1, V1, Ainv = integrate(Q, V, lambda q, v: accelerations(c, der, q, v, u, udot, fext, opts), dt)
-    return project(c, der, Q1, V1, Ainv, opts.projection_iters)
+    return project(c, der, Q1, V1, Ainv, opts.projection_iters, opts.fused)
 
 
 INTEGRATORS = integrators.INTEGRATORS
@@ -495,19 +568,35 @@ class NodalEngine:
         return step(self.constants, params, state, inputs, dt, self.integrator, self.options)
 
     def rollout(self, params: Params, state0: State, inputs: Optional[Inputs] = None, dt: float = 1e-3,
-                steps: Optional[int] = None) -> State:
-        """T steps; inputs (T, B, ...); returns states (T, B, N, 3) after each step."""
-        return rollout(self.constants, params, state0, inputs, dt, self.integrator, self.options, steps)
+                steps: Optional[int] = None, compile: bool = False, chunk: int = 1) -> State:
+        """T steps; inputs (T, B, ...); returns states (T, B, N, 3) after each step.
+
+        ``compile=True``: the batch-last throughput path (:mod:`.fast`) under torch.compile, ``chunk`` steps
+        per compiled call (chunk > 1 cuts the per-call overhead at small batches but compiles a bigger graph;
+        every distinct (chunk, batch, dtype) compiles once). Same results (float64: 1e-12), differentiable.
+        """
+        if not compile:
+            return rollout(self.constants, params, state0, inputs, dt, self.integrator, self.options, steps)
+        from . import fast
+        ref = state0.positions
+        c, params, inputs = (convert_like(x, ref) for x in (self.constants, params, inputs))
+        n = _horizon(inputs, steps)
+        u = ud = fe = None
+        if inputs is not None:
+            u, ud, fe = inputs.motor_angles, inputs.motor_velocities, inputs.external_forces
+        X, V = fast.rollout(c, params, state0.positions, state0.velocities, u, ud, fe, n, dt, self.integrator,
+                            self.options, chunk=chunk)
+        return State(X, V)
 
     @property
     def compiled_step(self):
-        """``torch.compile``d :meth:`step` (same signature and results). Inductor cache: build/torchinductor."""
-        setup_compile()
-        fn = torch.compile(step, dynamic=False)
-        c, integ, opts = self.constants, self.integrator, self.options
+        """``torch.compile``d :meth:`step` (same signature; same results to round-off): one step of the
+        compiled batch-last path (the graph of ``rollout(compile=True, chunk=1)``). Cache: build/torchinductor."""
+        eng = self
 
         def compiled(params, state, inputs=None, dt=1e-3):
-            return fn(c, params, state, inputs, dt, integ, opts)
+            inp = None if inputs is None else inputs.map(lambda t: t.unsqueeze(0))
+            return eng.rollout(params, state, inp, dt, steps=None if inp is not None else 1, compile=True)[0]
 
         return compiled
 

@@ -173,6 +173,8 @@ def derivatives(data: Dataset, method: str = "auto", *, window_s: Optional[float
     method:
       ``semi_implicit``: exact for data made by a semi-implicit (symplectic) Euler integrator sampled at
         every step: v_t = (x_t - x_{t-1}) / h, a_t = (x_{t+1} - 2 x_t + x_{t-1}) / h^2 (needs uniform stamps);
+        with the simulator's velocities in the dataset: v_t = those, a_t = (v_{t+1} - v_t) / h (exact
+        also when the simulator projects onto constraints after each step);
       ``central``: v_t = (x_{t+1} - x_{t-1}) / 2h, same a_t (second order for smooth data);
       ``smooth``: local weighted polynomial fits over ``window_s`` (default 0.2 s; see
         :func:`tensegrity_ros.mocap.filtering.smooth_derivatives`) -- for noisy or gappy data;
@@ -194,13 +196,21 @@ def derivatives(data: Dataset, method: str = "auto", *, window_s: Optional[float
         Xz = np.where(V[..., None], X, 0.0)
         vel = np.full_like(X, np.nan)
         acc = np.full_like(X, np.nan)
-        acc[1:-1] = (Xz[2:] - 2 * Xz[1:-1] + Xz[:-2]) / h ** 2
-        if method == "semi_implicit":
-            vel[1:] = (Xz[1:] - Xz[:-1]) / h
-        else:
-            vel[1:-1] = (Xz[2:] - Xz[:-2]) / (2 * h)
         ok = np.zeros(V.shape, dtype=bool)
-        ok[1:-1] = V[2:] & V[1:-1] & V[:-2]
+        if method == "semi_implicit" and data.velocities is not None:
+            # exact simulator velocities: a_t = (v_{t+1} - v_t) / h inverts v_{t+1} = v_t + h a(x_t, v_t)
+            # (also exact when the simulator projects positions onto constraints after each step)
+            Vz = np.where(V[..., None], data.velocities, 0.0)
+            vel[:] = Vz
+            acc[:-1] = (Vz[1:] - Vz[:-1]) / h
+            ok[:-1] = V[1:] & V[:-1]
+        else:
+            acc[1:-1] = (Xz[2:] - 2 * Xz[1:-1] + Xz[:-2]) / h ** 2
+            if method == "semi_implicit":
+                vel[1:] = (Xz[1:] - Xz[:-1]) / h
+            else:
+                vel[1:-1] = (Xz[2:] - Xz[:-2]) / (2 * h)
+            ok[1:-1] = V[2:] & V[1:-1] & V[:-2]
         vel = np.where(ok[..., None], vel, np.nan)
         acc = np.where(ok[..., None], acc, np.nan)
         pos = np.where(V[..., None], X, np.nan)

@@ -76,7 +76,7 @@ class IdentifyOptions:
     sim_dt: Optional[float] = None
     optimize_initial_states: bool = True
     max_iter: int = 50
-    optimizer: str = "lbfgs"
+    optimizer: str = "gauss_newton"
     max_time_s: Optional[float] = None
     regression: Mapping[str, Any] = field(default_factory=dict)
     refine: Mapping[str, Any] = field(default_factory=dict)

@@ -72,7 +72,8 @@ class RegressionOptions:
     derivative_method / smooth_window_s: see :func:`tensegrity_ros.ident.data.derivatives`.
     delay_s: motor-to-mocap delay applied to the motor angles (u(t - delay)), s.
     relinearize: at most this many extra passes that re-linearise the rest lengths and re-evaluate the taut
-        gates, stopping when nothing changes (default: 8 when rest lengths are estimated, else 2).
+        gates (which strings pull in which sample depends on the estimates), stopping as soon as the
+        solution no longer changes (default 10; typically 2-5 passes are run).
     outlier_threshold / outlier_min_relative: a sample whose relative residual (residual RMS over the RMS
         of the sum of the magnitudes of its terms) exceeds both median + threshold * 1.4826 MAD and
         ``outlier_min_relative`` is dropped and the system re-solved once (None: off).
@@ -84,6 +85,9 @@ class RegressionOptions:
     identifiable_threshold: ``identifiable[name]`` is True when identifiability >= this.
     mass_model: ``thin`` (nodal engine, twin) or ``cylinder`` (spring-rod engine), see
         :func:`bar_mass_matrices`.
+    string_gate: ``taut`` (a string pulls when D > 0 and its tension is > 0: the contract's law, the
+        engines) or ``tension`` (tension > 0 only: the MuJoCo twin's pull-only actuators cannot express the
+        D > 0 gate). The first pass always gates on D > 0 alone (the prior's damping may be far off).
     """
 
     estimate: Tuple[str, ...] = ("mass", "stiffness", "damping")
@@ -104,11 +108,14 @@ class RegressionOptions:
     rank_tol: float = 1e-6
     identifiable_threshold: float = 0.9
     mass_model: str = "thin"
+    string_gate: str = "taut"
 
     def __post_init__(self):
         bad = [k for k in self.estimate if k not in REGRESSION_KINDS]
         if bad:
             raise ValueError(f"RegressionOptions.estimate: unknown kind(s) {bad} (valid: {', '.join(REGRESSION_KINDS)})")
+        if self.string_gate not in ("taut", "tension"):
+            raise ValueError(f"RegressionOptions.string_gate = {self.string_gate!r} (valid: taut, tension)")
         if self.covariance not in ("iid", "cluster", "auto"):
             raise ValueError(f"RegressionOptions.covariance = {self.covariance!r} (valid: iid, cluster, auto)")
 
@@ -118,7 +125,8 @@ class RegressionResult:
     """Stage-1 result.
 
     params: the prior with the estimates substituted (unbatched, float64).
-    estimates / std_devs: ``{name: value}`` for every estimated parameter (physical units).
+    estimates / std_devs: ``{name: value}`` for every estimated parameter (physical units); a parameter the
+        data do not excite keeps its prior value and gets std ``inf``.
     identifiability: ``{name: score in [0, 1]}``; 0 = not identifiable from these data (gauge or
         unexcited), otherwise 1 - std / reference (reference: |value|, 1 % of the rest length for rest
         lengths; see :func:`identifiability_reference`).
@@ -332,8 +340,13 @@ def bar_mass_matrices(top: Topology, mass_model: str = "thin") -> np.ndarray:
 
 
 def _design(top: Topology, S: _Samples, Z: np.ndarray, cur: Dict[str, np.ndarray], lay: _Layout,
-            known_full: Dict[int, float], Eq: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Full design X (n_eq, p_full) and right-hand side y (n_eq,) and per-row sample index."""
+            known_full: Dict[int, float], Eq: np.ndarray, gate_mode: str = "taut"
+            ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Full design X (n_eq, p_full) and right-hand side y (n_eq,) and per-row sample index.
+
+    gate_mode: ``geometric`` (taut: D > 0), ``taut`` (D > 0 and tension > 0 at the current values: the
+    engine's string law) or ``tension`` (tension > 0 only: the MuJoCo twin's pull-only actuator).
+    """
     n, nf = S.Q.shape[0], top.n_free
     Xf = np.einsum("nf,tfk->tnk", top.T, S.Q) + top.Xc[None]
     Vf = np.einsum("nf,tfk->tnk", top.T, S.V)
@@ -356,8 +369,11 @@ def _design(top: Topology, S: _Samples, Z: np.ndarray, cur: Dict[str, np.ndarray
     kscale = xi00[None] / xi0
     a = kscale * D                                                  # tension per unit stiffness
     b = (L / xi0 - 1.0) - xi00[None] * L / xi0 ** 2                 # d a / d xi00
-    tension = cur["stiffness"][None] * a + cur["damping"][None] * Dd
-    gate = ((D > 0) & (tension > 0)).astype(float)
+    if gate_mode == "geometric":
+        gate = (D > 0).astype(float)
+    else:
+        tension = np.maximum(cur["stiffness"], 0.0)[None] * a + np.maximum(cur["damping"], 0.0)[None] * Dd
+        gate = ((tension > 0) & ((D > 0) | (gate_mode == "tension"))).astype(float)
     patt = -np.einsum("sc,sf,tsk->tcfk", top.G, top.Cs_q, e, optimize=True)        # (n, S, nf, 3) reduced unit-tension forces
     def column(kind, el):
         if kind == "mass":
@@ -396,19 +412,22 @@ def _design(top: Topology, S: _Samples, Z: np.ndarray, cur: Dict[str, np.ndarray
 # =====================================================================================================
 # solver
 # =====================================================================================================
-def _solve(X: np.ndarray, y: np.ndarray, a: Optional[np.ndarray], d: float, rank_tol: float):
-    """min |X th - y| (s.t. a.th = d if a is given) by column-normalised SVD with a rank tolerance.
+def _solve(X: np.ndarray, y: np.ndarray, a: Optional[np.ndarray], d: float, rank_tol: float,
+           th_ref: Optional[np.ndarray] = None):
+    """min |X th - y| (s.t. a.th = d if a is given) by column-normalised SVD with a rank tolerance; along
+    directions below the tolerance th stays at ``th_ref`` (minimum-norm change from it).
 
     Returns th, N (p, q) basis of the constraint's null space, P (q, q) = (A^T A)^+ in z coordinates with
     A = X N, the null directions (q', p) of A (in th coordinates, unit norm), singular values (relative).
     """
     p = X.shape[1]
+    ref = np.zeros(p) if th_ref is None else np.asarray(th_ref, dtype=float)
     if a is None:
         N = np.eye(p)
-        th0 = np.zeros(p)
+        th0 = ref
     else:
         a = a.astype(float)
-        th0 = a * d / (a @ a)
+        th0 = ref + a * (d - a @ ref) / (a @ a)
         # orthonormal basis of a-perp
         Qm, _ = np.linalg.qr(np.concatenate([a[:, None], np.eye(p)], axis=1))
         N = Qm[:, 1:p]
@@ -560,10 +579,11 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
                                  "unknowns")
     movable = np.abs(top.Cb_q).sum(axis=1) > 0   # bars that move (mass enters the dynamics)
     rest_est = "rest_length" in opts.estimate
-    n_pass = 1 + max(0, int(opts.relinearize if opts.relinearize is not None else (8 if rest_est else 2)))
+    n_pass = 1 + max(0, int(opts.relinearize if opts.relinearize is not None else 10))
 
-    def one_pass(S, Z, update: bool):
-        X, y, row_sample = _design(top, S, Z, cur, lay, known_full, Eq)
+    def one_pass(S, Z, update: bool, first: bool = False):
+        X, y, row_sample = _design(top, S, Z, cur, lay, known_full, Eq,
+                                   "geometric" if first else opts.string_gate)
         Xr = X @ K
         good = np.all(np.isfinite(Xr), axis=1) & np.isfinite(y)
         if not good.all():
@@ -592,7 +612,14 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
                     total = float(sum(cur["mass"][b] for b in range(top.n_bars) if movable[b]))
                 d = float(total) - known_mass
                 gauge = f"total moving mass fixed at {float(total):g} kg"
-        th, N, Pz, null_dirs, rel_sv, A = _solve(Xr, y, a, d, opts.rank_tol)
+        th_ref = np.zeros(q)
+        for g, mem in enumerate(lay.groups):
+            vals = []
+            for k in mem:
+                kind, el = lay.kinds[k], lay.elem[k]
+                vals.append(0.0 if kind == "rest_length" else float(cur[kind][el]))
+            th_ref[g] = float(np.mean(vals))
+        th, N, Pz, null_dirs, rel_sv, A = _solve(Xr, y, a, d, opts.rank_tol, th_ref)
         res = y - Xr @ th
         if update:
             full = K @ th
@@ -613,11 +640,13 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
                                                                    lo + 1e-9, hi - 1e-9))
         return th, N, Pz, null_dirs, rel_sv, A, res, row_sample, Xr, y, gauge, homogeneous, d
 
+    first_geometric = [True]
+
     def solve_all(S, Z):
         sol, prev = None, None
         for it in range(n_pass):
             rest_before = cur["rest_length"].copy()
-            sol = one_pass(S, Z, update=True)
+            sol = one_pass(S, Z, update=True, first=(it == 0 and first_geometric[0]))
             th = sol[0]
             moved = np.abs(cur["rest_length"] - rest_before).max() if rest_est else 0.0
             if prev is not None and moved < 1e-9 and \
@@ -636,8 +665,10 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
         mag = np.bincount(row_sample, weights=(np.abs(Xr_ * th_[None, :]).sum(1) + np.abs(sol[9])) ** 2,
                           minlength=n)
         cnt = np.bincount(row_sample, minlength=n)
-        rel = np.sqrt(ss / np.maximum(mag, 1e-300))
         use = cnt > 0
+        # relative to the sample's own force level, floored at the typical level (slack samples have ~no force)
+        level = np.sqrt(mag)
+        rel = np.sqrt(ss) / np.maximum(level, np.median(level[use]) if use.any() else 1e-300)
         med = np.median(rel[use])
         mad = 1.4826 * np.median(np.abs(rel[use] - med))
         bad = ((rel > med + opts.outlier_threshold * mad) & (rel > opts.outlier_min_relative)) | ~use
@@ -645,6 +676,7 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
             dropped = int(bad.sum())
             keep = np.flatnonzero(~bad)
             S, Z = _take(S, keep), Z[keep]
+            first_geometric[0] = False
             notes.append(f"{dropped} outlying sample(s) rejected (relative residual > median + "
                          f"{opts.outlier_threshold:g} MAD and > {opts.outlier_min_relative:g})")
             sol = solve_all(S, Z)
@@ -727,6 +759,9 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
         notes.append("only ratios identifiable: " + ", ".join(
             f"{k} = {v:.6g} +- {s:.2g}" for k, (v, s) in list(ratios.items())[:12]) +
             (" ..." if len(ratios) > 12 else ""))
+    for name in unexcited:
+        if name in std:
+            std[name] = float("inf")   # the data do not determine it (kept at the prior value)
     ident: Dict[str, float] = {}
     identifiable: Dict[str, bool] = {}
     for name in out_names:

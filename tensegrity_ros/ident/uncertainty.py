@@ -7,9 +7,11 @@ the unconstrained space, gauge direction removed; delay), e (per-window initial-
                                                                            window starts are marginalised)
     sigma^2 = RSS / (n_residuals - n_unknowns)   (or the given noise level)
 
-J comes from forward-mode differentiation (``torch.func.jacfwd``) through the engine rollout; one tangent
-per free parameter plus one per initial-state coordinate shared by all windows (window k's residuals
-depend only on its own start, so the shared tangent yields every window's block at once). The covariance
+J comes from :meth:`RefineProblem.jacobian_blocks` (one engine rollout whose batch carries a copy of every
+window per column: central differences by default, or exact forward-mode dual numbers); one column per
+free parameter plus one per initial-state coordinate shared by all windows (window k's residuals depend
+only on its own start, so the shared column yields every window's block at once). :func:`jacobian` is a
+generic ``torch.func`` Jacobian for other residual functions. The covariance
 of the unconstrained vector z = z_start + K B w is mapped to physical units through the transforms'
 derivatives (exp: x, sigmoid bound: (hi - lo) s (1 - s)). When only ratios are identifiable (scale gauge)
 the covariance is also mapped through the final rescaling to the total-mass anchor.
@@ -109,11 +111,12 @@ def _format(v: np.ndarray, names: List[str]) -> str:
 def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optional[torch.Tensor] = None, *,
                             noise_std_m: Optional[float] = None, max_windows: Optional[int] = 16,
                             rank_tol: float = 1e-9, identifiable_threshold: float = 0.9,
-                            weak_std: float = 0.1) -> Covariance:
+                            weak_std: float = 0.1, jacobian: str = "central") -> Covariance:
     """Gauss-Newton covariance at the refined point (see the module docstring).
 
     noise_std_m: the residual noise level (None: estimated from the residuals). max_windows: Jacobians on
-    at most this many windows (evenly spread); the information is scaled up to all windows.
+    at most this many windows (evenly spread); the information is scaled up to all windows. jacobian:
+    ``central`` differences or ``forward_ad`` (see :meth:`RefineProblem.jacobian_blocks`).
     """
     prob = problem
     nb = prob.B.shape[1]
@@ -129,24 +132,12 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     ne = 6 * nf if x0 is not None else 0
     w = w.detach()
 
-    def fn(v):
-        ww = v[:n_w]
-        xx = None
-        if x0s is not None:
-            xx = x0s + v[n_w:].reshape(1, nf, 6)
-        return sub.residuals(ww, xx)
-
-    v0 = torch.cat([w, torch.zeros(ne, dtype=w.dtype, device=w.device)])
-    with torch.no_grad():
-        r = fn(v0)
-    J = jacobian(fn, v0).reshape(sub.B_win, -1, n_w + ne)            # (Bs, rows, n)
-    Jw, Je = J[..., :n_w], J[..., n_w:]
+    _, Jw, Je = sub.jacobian_blocks(w, x0s, jacobian)                  # (Bs, R, n_w), (Bs, R, ne)
     Hww = torch.einsum("bri,brj->ij", Jw, Jw)
-    if ne:
+    if Je is not None:
         Hwe = torch.einsum("bri,brj->bij", Jw, Je)
         Hee = torch.einsum("bri,brj->bij", Je, Je)
-        Hee = Hee + 1e-12 * torch.eye(ne, dtype=Hee.dtype, device=Hee.device) * Hee.diagonal(dim1=-2, dim2=-1).amax()
-        Hww = Hww - torch.einsum("bij,bjk,blk->il", Hwe, torch.linalg.pinv(Hee), Hwe)
+        Hww = Hww - torch.einsum("bij,bjk,blk->il", Hwe, torch.linalg.pinv(Hee, hermitian=True), Hwe)
     Hww = 0.5 * (Hww + Hww.T) * scale
     # noise level
     n_res = 3 * prob.n_obs

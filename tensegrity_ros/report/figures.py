@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ..frames import euler_zyx, plate_frames, relative_pose  # noqa: E402
+from ..frames import FRAME_NODES, euler_zyx, frame_from_nodes, relative_pose  # noqa: E402
 
 AXES_POS = ("x", "y", "z")
 AXES_EUL = ("yaw (Z)", "pitch (Y)", "roll (X)")
@@ -23,7 +23,9 @@ def plate_motion(names: Sequence[str], positions: np.ndarray) -> Dict[str, Tuple
     names: (N,) node names; positions: (T, N, 3) m (NaN where not measured).
     Returns {"C1"|"C2": (position (T, 3) m, ZYX Euler angles (T, 3) rad)} for the plates the names cover.
     """
-    frames = plate_frames(names, positions)
+    have = set(names)
+    frames = {k: frame_from_nodes(positions, names, triple) for k, triple in FRAME_NODES.items()
+              if set(triple) <= have}
     if "C0" not in frames:
         return {}
     out = {}

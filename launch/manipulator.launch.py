@@ -1,0 +1,48 @@
+"""The real stacked manipulator: dynamixel_driver on the U2D2 + mocap_ingest + online_identifier +
+state_predictor (see docs/nodes.md for the step-by-step set-up).
+
+    ros2 launch tensegrity_ros manipulator.launch.py mocap_topic:=/optitrack/markers record:=true
+
+Arguments: bus_config (config/hardware/manipulator_bus.yaml), model_file, reference_file, mocap_topic,
+record, bag_path (all but bus_config are passed on to graph.launch.py).
+"""
+from launch import LaunchDescription
+from launch.actions import DeclareLaunchArgument, IncludeLaunchDescription
+from launch.launch_description_sources import PythonLaunchDescriptionSource
+from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
+from launch_ros.actions import Node
+from launch_ros.substitutions import FindPackageShare
+
+PACKAGE = "tensegrity_ros"
+
+
+def _share(*parts):
+    return PathJoinSubstitution([FindPackageShare(PACKAGE), *parts])
+
+
+def _config(name):
+    return _share("config", "nodes", name)
+
+
+def generate_launch_description():
+    model_file = LaunchConfiguration("model_file")
+    reference_file = LaunchConfiguration("reference_file")
+    arguments = [
+        DeclareLaunchArgument("bus_config", default_value=_share("config", "hardware", "manipulator_bus.yaml"),
+                              description="Dynamixel bus YAML (port, baud, motors)"),
+        DeclareLaunchArgument("model_file", default_value=_share("config", "models", "stacked_manipulator.yaml")),
+        DeclareLaunchArgument("reference_file", default_value=_share("config", "references", "seed_sinusoids.yaml")),
+        DeclareLaunchArgument("mocap_topic", default_value="/mocap/markers"),
+        DeclareLaunchArgument("record", default_value="false"),
+        DeclareLaunchArgument("bag_path", default_value="manipulator_run"),
+    ]
+    driver = Node(package=PACKAGE, executable="dynamixel_driver", name="dynamixel_driver", output="screen",
+                  parameters=[_config("dynamixel_driver.yaml"),
+                              {"bus_config": LaunchConfiguration("bus_config"), "model_file": model_file,
+                               "reference_file": reference_file}])
+    graph = IncludeLaunchDescription(
+        PythonLaunchDescriptionSource(_share("launch", "graph.launch.py")),
+        launch_arguments={"model_file": model_file, "reference_file": reference_file,
+                          "mocap_topic": LaunchConfiguration("mocap_topic"), "use_sim_time": "false",
+                          "record": LaunchConfiguration("record"), "bag_path": LaunchConfiguration("bag_path")}.items())
+    return LaunchDescription(arguments + [driver, graph])

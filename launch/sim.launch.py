@@ -1,0 +1,52 @@
+"""The same graph against the simulated robot: sim_robot (MuJoCo twin of the TRUE robot + an emulated
+Dynamixel bus on a pty) + dynamixel_driver (bus emulated: it talks to that pty through the real SDK) +
+mocap_ingest + online_identifier + state_predictor.
+
+    ros2 launch tensegrity_ros sim.launch.py record:=true
+
+sim_robot perturbs the nominal model by perturb_fraction (config/nodes/sim_robot.yaml) to make the true
+robot, unless true_model_file is given. The driver runs with bus=real on the pty link that sim_robot
+creates (link_path in config/nodes/sim_robot.yaml = port in config/nodes/dynamixel_driver_sim.yaml).
+"""
+from launch import LaunchDescription
+from launch.actions import DeclareLaunchArgument, IncludeLaunchDescription, TimerAction
+from launch.launch_description_sources import PythonLaunchDescriptionSource
+from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
+from launch_ros.actions import Node
+from launch_ros.substitutions import FindPackageShare
+
+PACKAGE = "tensegrity_ros"
+
+
+def _share(*parts):
+    return PathJoinSubstitution([FindPackageShare(PACKAGE), *parts])
+
+
+def _config(name):
+    return _share("config", "nodes", name)
+
+
+def generate_launch_description():
+    model_file = LaunchConfiguration("model_file")
+    reference_file = LaunchConfiguration("reference_file")
+    arguments = [
+        DeclareLaunchArgument("model_file", default_value=_share("config", "models", "stacked_manipulator.yaml")),
+        DeclareLaunchArgument("true_model_file", default_value="",
+                              description="structure YAML of the simulated (true) robot; empty = perturbed nominal"),
+        DeclareLaunchArgument("reference_file", default_value=_share("config", "references", "seed_sinusoids.yaml")),
+        DeclareLaunchArgument("record", default_value="false"),
+        DeclareLaunchArgument("bag_path", default_value="sim_run"),
+    ]
+    sim = Node(package=PACKAGE, executable="sim_robot", name="sim_robot", output="screen",
+               parameters=[_config("sim_robot.yaml"),
+                           {"model_file": model_file, "true_model_file": LaunchConfiguration("true_model_file")}])
+    driver = Node(package=PACKAGE, executable="dynamixel_driver", name="dynamixel_driver", output="screen",
+                  parameters=[_config("dynamixel_driver.yaml"), _config("dynamixel_driver_sim.yaml"),
+                              {"model_file": model_file, "reference_file": reference_file}])
+    graph = IncludeLaunchDescription(
+        PythonLaunchDescriptionSource(_share("launch", "graph.launch.py")),
+        launch_arguments={"model_file": model_file, "reference_file": reference_file,
+                          "mocap_topic": "/mocap/markers", "use_sim_time": "false",
+                          "record": LaunchConfiguration("record"), "bag_path": LaunchConfiguration("bag_path")}.items())
+    # the driver opens the pty that sim_robot links: give sim_robot a head start
+    return LaunchDescription(arguments + [sim, TimerAction(period=3.0, actions=[driver]), graph])

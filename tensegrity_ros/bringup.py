@@ -1,0 +1,399 @@
+"""The node graph in ONE process, without ``launch``: what ``sim.launch.py`` starts, as Python objects.
+
+    from tensegrity_ros.bringup import GraphConfig, build_graph, run_graph
+    executor, nodes = build_graph(GraphConfig())         # sim_robot, dynamixel_driver, mocap_ingest,
+    ...                                                   # online_identifier, state_predictor (+ monitor)
+    result = run_graph(30.0)                              # or: build, spin 30 s, collect, tear down
+
+* ``sim_robot``: the MuJoCo twin of the TRUE robot (the nominal model perturbed by ~20 %) and an emulated
+  Dynamixel bus on a pty;
+* ``dynamixel_driver`` with ``bus: real`` on that pty (the real SDK code path), driving the reference;
+* ``mocap_ingest``, ``online_identifier`` (starting from the nominal model), ``state_predictor``;
+* a :class:`GraphMonitor` node: every topic's messages counted and checked for drops (DDS publication
+  sequence numbers, and published-vs-received counts at the end), ground truth / predictions / parameter
+  sets kept for scoring, optional raw recording for an MCAP bag.
+
+Parameters come from the same ``config/nodes/*.yaml`` files as the launch files, then
+``GraphConfig.overrides``. All nodes share one ``MultiThreadedExecutor``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import rclpy
+import yaml
+from rclpy.executors import MultiThreadedExecutor
+from rclpy.node import Node
+from rclpy.parameter import Parameter
+
+from .nodes import _common as C
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_NODES = ROOT / "config" / "nodes"
+DEFAULT_MODEL = ROOT / "config" / "models" / "stacked_manipulator.yaml"
+DEFAULT_REFERENCE = ROOT / "config" / "references" / "seed_sinusoids.yaml"
+NODE_ORDER = ("sim_robot", "dynamixel_driver", "mocap_ingest", "online_identifier", "state_predictor")
+
+
+@dataclass
+class GraphConfig:
+    """What :func:`build_graph` starts.
+
+    model_file: nominal structure (identifier / predictor / ingest / driver); true_model_file: the
+    simulated robot ('' = the nominal perturbed by ``perturb_fraction``); reference_file: the drive;
+    nodes: which nodes to start (NODE_ORDER); overrides: {node: {parameter: value}} on top of
+    config/nodes/<node>.yaml; threads: executor threads; link_path: pty link of the emulated bus ('' = a
+    unique one under /tmp); monitor: add the :class:`GraphMonitor`; record_topics: topics the monitor keeps
+    raw for a bag (None: none; ["*"]: all), record_every: {topic: n} keep every n-th message.
+    """
+
+    model_file: str = str(DEFAULT_MODEL)
+    true_model_file: str = ""
+    reference_file: str = str(DEFAULT_REFERENCE)
+    perturb_fraction: float = 0.2
+    nodes: Tuple[str, ...] = NODE_ORDER
+    overrides: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    threads: int = 6
+    link_path: str = ""
+    monitor: bool = True
+    record_topics: Optional[Sequence[str]] = None
+    record_every: Dict[str, int] = field(default_factory=dict)
+    keep_predictions_every: int = 6
+    switch_interval_s: Optional[float] = 0.001
+
+
+def yaml_parameters(node: str, config_dir: Path = CONFIG_NODES, files: Sequence[str] = ()) -> Dict[str, Any]:
+    """ros__parameters for ``node`` from config/nodes/<node>.yaml (and any extra ``files``), in order."""
+    out: Dict[str, Any] = {}
+    for f in (f"{node}.yaml", *files):
+        path = config_dir / f
+        if not path.is_file():
+            continue
+        data = yaml.safe_load(path.read_text()) or {}
+        for key, section in data.items():
+            if key.lstrip("/") in (node, "**"):
+                out.update((section or {}).get("ros__parameters", {}))
+    return out
+
+
+def _parameters(values: Mapping[str, Any]) -> List[Parameter]:
+    out = []
+    for k, v in values.items():
+        if isinstance(v, (list, tuple)) and not v:
+            continue   # an empty list has no type: keep the node's default
+        if isinstance(v, tuple):
+            v = list(v)
+        out.append(Parameter(k, value=v))
+    return out
+
+
+# =====================================================================================================
+# the monitor
+# =====================================================================================================
+class GraphMonitor(Node):
+    """Counts every topic's messages (raw subscriptions, no deserialisation), finds drops from the DDS
+    publication sequence numbers, and keeps what the demo / tests score: ground truth (all of it), node
+    states, identified parameter sets, every ``keep_predictions_every``-th prediction (decoded), the
+    latest diagnostics per status name, and raw messages of ``record_topics`` for a bag."""
+
+    TOPIC_TYPES = {
+        C.TOPICS["markers"]: "geometry_msgs/msg/PoseArray",
+        C.TOPICS["node_states"]: "tensegrity_ros/msg/NodeStates",
+        C.TOPICS["motor_states"]: "sensor_msgs/msg/JointState",
+        C.TOPICS["identified_parameters"]: "tensegrity_ros/msg/IdentifiedParameters",
+        C.TOPICS["predicted_states"]: "tensegrity_ros/msg/PredictedStates",
+        C.TOPICS["plate_c1"]: "geometry_msgs/msg/PoseStamped",
+        C.TOPICS["plate_c2"]: "geometry_msgs/msg/PoseStamped",
+        C.TOPICS["ground_truth"]: "tensegrity_ros/msg/NodeStates",
+        C.TOPICS["diagnostics"]: "diagnostic_msgs/msg/DiagnosticArray",
+    }
+
+    def __init__(self, name: str = "graph_monitor", *, record_topics: Optional[Sequence[str]] = None,
+                 record_every: Optional[Mapping[str, int]] = None, keep_predictions_every: int = 6, **kwargs):
+        super().__init__(name, **kwargs)
+        from diagnostic_msgs.msg import DiagnosticArray
+        from geometry_msgs.msg import PoseArray, PoseStamped
+        from sensor_msgs.msg import JointState
+        from tensegrity_ros.msg import IdentifiedParameters, NodeStates, PredictedStates
+
+        types = {"geometry_msgs/msg/PoseArray": PoseArray, "tensegrity_ros/msg/NodeStates": NodeStates,
+                 "sensor_msgs/msg/JointState": JointState,
+                 "tensegrity_ros/msg/IdentifiedParameters": IdentifiedParameters,
+                 "tensegrity_ros/msg/PredictedStates": PredictedStates,
+                 "geometry_msgs/msg/PoseStamped": PoseStamped,
+                 "diagnostic_msgs/msg/DiagnosticArray": DiagnosticArray}
+        self.seq = C.SequenceMonitor()
+        self.first_rx: Dict[str, float] = {}
+        rec = set(self.TOPIC_TYPES) if record_topics and "*" in record_topics else set(record_topics or ())
+        self.record_every = dict(record_every or {})
+        self.recorded: Dict[str, List[Tuple[float, bytes]]] = {t: [] for t in rec}
+        self._rec_count: Dict[str, int] = {}
+        self.keep_predictions_every = max(1, int(keep_predictions_every))
+        self.ground_truth: Deque = deque(maxlen=200_000)
+        self.node_states: Deque = deque(maxlen=200_000)
+        self.predictions: Deque = deque(maxlen=100_000)
+        self.parameter_sets: List[C.ParameterSet] = []
+        self.diagnostics: Dict[str, Any] = {}
+        self.lock = threading.Lock()
+        self._n_pred = 0
+        self._types = types
+        for topic, tname in self.TOPIC_TYPES.items():
+            qos = C.LATCHED_QOS if topic == C.TOPICS["identified_parameters"] else (
+                C.PREDICTION_QOS if topic == C.TOPICS["predicted_states"] else
+                (C.DIAG_QOS if topic == C.TOPICS["diagnostics"] else C.STREAM_QOS))
+            self.create_subscription(types[tname], topic, self._callback(topic, tname), qos, raw=True)
+
+    def _callback(self, topic: str, tname: str):
+        from rclpy.serialization import deserialize_message
+
+        cls = self._types[tname]
+
+        def cb(data: bytes, info=None):
+            now = time.time()
+            # /diagnostics has many publishers: their sequence numbers interleave, so only count it
+            self.seq.update_info(topic, None if topic == C.TOPICS["diagnostics"] else info)
+            self.first_rx.setdefault(topic, now)
+            if topic in self.recorded:
+                k = self._rec_count.get(topic, 0)
+                self._rec_count[topic] = k + 1
+                if k % self.record_every.get(topic, 1) == 0:
+                    self.recorded[topic].append((now, bytes(data)))
+            if topic == C.TOPICS["predicted_states"]:
+                self._n_pred += 1
+                if (self._n_pred - 1) % self.keep_predictions_every == 0:
+                    self.predictions.append(C.prediction_from_cdr(bytes(data)))
+            elif topic == C.TOPICS["ground_truth"]:
+                r = C.node_states_from_msg(deserialize_message(data, cls))
+                self.ground_truth.append((r.stamp, r.positions))
+            elif topic == C.TOPICS["node_states"]:
+                r = C.node_states_from_msg(deserialize_message(data, cls))
+                self.node_states.append((r.stamp, r.names, r.positions, r.valid))
+            elif topic == C.TOPICS["identified_parameters"]:
+                ps = C.parameter_set_from_msg(deserialize_message(data, cls))
+                with self.lock:
+                    self.parameter_sets.append(ps)
+            elif topic == C.TOPICS["diagnostics"]:
+                msg = deserialize_message(data, cls)
+                with self.lock:
+                    for st in msg.status:
+                        self.diagnostics[st.name] = (st.level, st.message, C.diag_values(st))
+
+        return cb
+
+    @property
+    def received(self) -> Dict[str, int]:
+        return dict(self.seq.received)
+
+
+# =====================================================================================================
+# build / run
+# =====================================================================================================
+@dataclass
+class Graph:
+    """The running graph: executor, nodes by name, the monitor, and the spin thread."""
+
+    executor: MultiThreadedExecutor
+    nodes: Dict[str, Node]
+    context: Any
+    monitor: Optional[GraphMonitor] = None
+    thread: Optional[threading.Thread] = None
+    owns_context: bool = False
+    t_start: float = 0.0
+
+    def spin_in_background(self) -> None:
+        self.t_start = time.monotonic()
+
+        def spin():
+            try:
+                self.executor.spin()
+            except Exception:  # pragma: no cover - executor shut down
+                pass
+
+        self.thread = threading.Thread(target=spin, name="graph-executor", daemon=True)
+        self.thread.start()
+
+    def published_counts(self) -> Dict[str, int]:
+        """Messages published per topic by the graph's nodes (the driver: its cycles)."""
+        out: Dict[str, int] = {}
+        for name, node in self.nodes.items():
+            for topic, pub in getattr(node, "publishers_by_topic", {}).items():
+                out[topic] = out.get(topic, 0) + pub.count
+        drv = self.nodes.get("dynamixel_driver")
+        if drv is not None and drv.core is not None:
+            out[C.TOPICS["motor_states"]] = int(drv.core.stats.cycles) + 1   # + the state published at start
+        return out
+
+    def drops(self) -> Dict[str, Dict[str, int]]:
+        """Per subscription (monitor and nodes): dropped messages by topic (sequence gaps), and
+        published-minus-received for the monitor's topics."""
+        out: Dict[str, Dict[str, int]] = {}
+        if self.monitor is not None:
+            out["graph_monitor"] = dict(self.monitor.seq.dropped)
+            pub = self.published_counts()
+            lost = {t: max(0, n - self.monitor.seq.received.get(t, 0)) for t, n in pub.items()
+                    if t in self.monitor.TOPIC_TYPES}
+            out["graph_monitor(published-received)"] = lost
+        for name, node in self.nodes.items():
+            seq = getattr(node, "seq", None)
+            if seq is not None:
+                out[name] = dict(seq.dropped)
+        return out
+
+    def total_dropped(self) -> int:
+        return int(sum(sum(v.values()) for v in self.drops().values()))
+
+    def shutdown(self) -> None:
+        """Stop everything: executor, nodes (torque off, emulator closed), context if owned."""
+        try:
+            self.executor.shutdown(timeout_sec=5.0)
+        except Exception:
+            pass
+        if self.thread is not None:
+            self.thread.join(timeout=5.0)
+        order = ["state_predictor", "online_identifier", "mocap_ingest", "dynamixel_driver", "sim_robot"]
+        for name in order + [n for n in self.nodes if n not in order]:
+            node = self.nodes.get(name)
+            if node is not None:
+                try:
+                    node.destroy_node()
+                except Exception:
+                    pass
+        if self.monitor is not None:
+            try:
+                self.monitor.destroy_node()
+            except Exception:
+                pass
+        if self.owns_context:
+            rclpy.try_shutdown(context=self.context)
+
+
+def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
+    """Create the configured nodes in one executor (not spinning yet; see :meth:`Graph.spin_in_background`).
+
+    context: an initialised rclpy Context (default: a new one, owned by the graph).
+    """
+    import sys
+
+    from .nodes.dynamixel_driver import DynamixelDriverNode
+    from .nodes.mocap_ingest import MocapIngestNode
+    from .nodes.online_identifier import OnlineIdentifierNode
+    from .nodes.sim_robot import SimRobotNode
+    from .nodes.state_predictor import StatePredictorNode
+
+    cfg = config or GraphConfig()
+    for f in (cfg.model_file, cfg.reference_file):
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"{f}: no such file")
+    if cfg.switch_interval_s:
+        sys.setswitchinterval(cfg.switch_interval_s)   # many short callbacks + compute threads share the GIL
+    owns = context is None
+    if owns:
+        from rclpy.context import Context
+        context = Context()
+        rclpy.init(args=[], context=context)
+    link = cfg.link_path or f"/tmp/tensegrity_ttyEMU_{os.getpid()}_{int(time.time() * 1e3) % 100000}"
+    common = {"model_file": str(cfg.model_file)}
+    per_node = {
+        "sim_robot": {**common, "true_model_file": cfg.true_model_file, "perturb_fraction": cfg.perturb_fraction,
+                      "link_path": link},
+        "dynamixel_driver": {**yaml_parameters("dynamixel_driver", files=("dynamixel_driver_sim.yaml",)),
+                             **common, "reference_file": str(cfg.reference_file), "port": link},
+        "mocap_ingest": common,
+        "online_identifier": common,
+        "state_predictor": {**common, "reference_file": str(cfg.reference_file)},
+    }
+    classes = {"sim_robot": SimRobotNode, "dynamixel_driver": DynamixelDriverNode, "mocap_ingest": MocapIngestNode,
+               "online_identifier": OnlineIdentifierNode, "state_predictor": StatePredictorNode}
+    nodes: Dict[str, Node] = {}
+    graph = Graph(MultiThreadedExecutor(num_threads=cfg.threads, context=context), nodes, context, None,
+                  owns_context=owns)
+    try:
+        monitor = None
+        if cfg.monitor:
+            monitor = GraphMonitor(context=context, record_topics=cfg.record_topics, record_every=cfg.record_every,
+                                   keep_predictions_every=cfg.keep_predictions_every)
+            graph.monitor = monitor
+            graph.executor.add_node(monitor)
+        for name in NODE_ORDER:
+            if name not in cfg.nodes:
+                continue
+            values = {**(yaml_parameters(name) if name != "dynamixel_driver" else {}), **per_node[name],
+                      **cfg.overrides.get(name, {})}
+            if name == "dynamixel_driver" and "sim_robot" in nodes:
+                values["port"] = nodes["sim_robot"].port
+            node = classes[name](context=context, parameter_overrides=_parameters(values))
+            nodes[name] = node
+            graph.executor.add_node(node)
+    except BaseException:
+        graph.shutdown()
+        raise
+    return graph
+
+
+@dataclass
+class GraphRun:
+    """What :func:`run_graph` returns (the graph is shut down; the monitor's data are kept)."""
+
+    duration_s: float
+    drops: Dict[str, Dict[str, int]]
+    dropped_messages: int
+    received: Dict[str, int]
+    published: Dict[str, int]
+    monitor: Optional[GraphMonitor]
+    nodes: Dict[str, Node]
+    diagnostics: Dict[str, Any]
+
+
+def run_graph(duration_s: float, config: Optional[GraphConfig] = None, *, context=None,
+              on_tick: Optional[Callable[[Graph, float], None]] = None, tick_s: float = 1.0,
+              drain_s: float = 1.0) -> GraphRun:
+    """Build the graph, spin it for ``duration_s`` seconds (``on_tick(graph, elapsed)`` every ``tick_s``),
+    stop the publishers, drain the queues for ``drain_s``, count drops, shut down."""
+    graph = build_graph(config, context)
+    try:
+        graph.spin_in_background()
+        t0 = time.monotonic()
+        while True:
+            elapsed = time.monotonic() - t0
+            if elapsed >= duration_s:
+                break
+            time.sleep(min(tick_s, duration_s - elapsed))
+            if on_tick is not None:
+                on_tick(graph, time.monotonic() - t0)
+            for node in graph.nodes.values():
+                if getattr(node, "fault", None) is not None:
+                    raise RuntimeError(f"{node.get_name()} stopped: {node.fault}")
+        stop_sources(graph)
+        time.sleep(drain_s)
+        elapsed = time.monotonic() - t0
+        drops = graph.drops()
+        mon = graph.monitor
+        return GraphRun(duration_s=elapsed - drain_s, drops=drops,
+                        dropped_messages=int(sum(sum(v.values()) for v in drops.values())),
+                        received=mon.received if mon else {}, published=graph.published_counts(), monitor=mon,
+                        nodes=graph.nodes, diagnostics=dict(mon.diagnostics) if mon else {})
+    finally:
+        graph.shutdown()
+
+
+def stop_sources(graph: Graph) -> None:
+    """Stop the streams at their sources (simulation thread, driver loop), keep the executor spinning so
+    queued messages are delivered (used before counting drops)."""
+    sim = graph.nodes.get("sim_robot")
+    if sim is not None:
+        sim._stop.set()
+        if sim._thread is not None:
+            sim._thread.join(timeout=5.0)
+    drv = graph.nodes.get("dynamixel_driver")
+    if drv is not None:
+        drv._stop.set()
+        if drv._thread is not None:
+            drv._thread.join(timeout=5.0)

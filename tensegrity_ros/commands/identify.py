@@ -1,0 +1,177 @@
+"""`tensegrity identify BAG --model MODEL.yaml --out PARAMS.yaml [--report DIR]`
+
+Reads a rosbag2 recording with `rosbags` (no ROS runtime), labels the mocap markers to structure nodes
+through the same ingest entry point as the live `mocap_ingest` node, aligns motor and mocap time, runs the
+two-stage identification and writes PARAMS.yaml: the input structure file with the identified values in
+place and their standard deviations beside them, so every tool loads it. Bad input exits with code 2 and
+writes nothing.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import UserError
+from ._common import load_model, load_mocap_frame, progress_bar
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("bag", help="rosbag2 directory (MCAP or sqlite3)")
+    parser.add_argument("--model", required=True, help="structure file (YAML) of the recorded robot")
+    parser.add_argument("--out", required=True, help="where to write the identified structure file (YAML)")
+    parser.add_argument("--report", help="folder for plots, a parameter table and summary.json")
+    parser.add_argument("--motor-topic", default="/tensegrity/motor_states")
+    parser.add_argument("--markers-topic", default="/mocap/markers")
+    parser.add_argument("--commands-topic", default="/tensegrity/motor_commands")
+    parser.add_argument("--mocap-frame", default=None,
+                        help="YAML with a rough mocap->structure guess (config/mocap/*.yaml); needed to pick one "
+                             "labelling of a symmetric structure (default: config/mocap/optitrack_yup.yaml)")
+    parser.add_argument("--stages", default="regression,refine", help="comma-separated: regression, refine")
+    parser.add_argument("--estimate", default="mass,stiffness,damping",
+                        help="parameter kinds estimated (stage 1 and 2)")
+    parser.add_argument("--refine-kinds", default="mass,stiffness,damping,rest_length",
+                        help="parameter kinds freed in stage 2")
+    parser.add_argument("--estimate-delay", action="store_true", help="estimate the motor-to-mocap delay")
+    parser.add_argument("--max-iter", type=int, default=40, help="stage-2 iterations")
+    parser.add_argument("--max-time", type=float, default=None, help="stage-2 wall-time budget [s]")
+    parser.add_argument("--window", type=float, default=0.25, help="multiple-shooting window [s]")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+
+
+def run(args) -> int:
+    from ..bags import BagError, TopicNames, read_robot_bag
+    from ..engine import apply_to_structure
+    from ..frames import invert_transform
+    from ..ident import IdentifyOptions, identify
+    from ..mocap import IngestConfig, LabellerConfig, MocapError, ingest_markers
+    from ..model import dump_structure
+
+    structure = load_model(args.model)
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: folder {out.parent} does not exist")
+    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
+    topics = TopicNames(motor_states=args.motor_topic, markers=args.markers_topic,
+                        motor_commands=args.commands_topic)
+    try:
+        rec = read_robot_bag(args.bag, topics, required_actuators=[a.name for a in structure.actuators] or None)
+    except BagError as err:
+        raise UserError(str(err)) from err
+    print(f"bag {args.bag}: {len(rec.marker_times)} mocap frames, {len(rec.motor_times)} motor samples, "
+          f"{rec.duration_s:.1f} s")
+
+    # ---- markers -> labelled node states (the live node's code path) --------------------------------
+    guess = invert_transform(load_mocap_frame(args.mocap_frame).matrix)  # labeller wants mocap -> structure
+    config = IngestConfig(labeller=LabellerConfig(initial_transform=guess))
+    t0 = time.perf_counter()
+    try:
+        with progress_bar(len(rec.markers), "labelling markers") as bar:
+            series = ingest_markers(structure, rec.marker_times, _tick(rec.markers, bar), config)
+    except MocapError as err:
+        raise UserError(f"{args.bag}: topic {topics.markers}: the markers never match the structure "
+                        f"'{structure.name}': {err}") from err
+    n_valid = int(series.valid.sum())
+    if n_valid == 0:
+        raise UserError(f"{args.bag}: topic {topics.markers}: no marker frame matched the structure "
+                        f"'{structure.name}' (check --model and --mocap-frame)")
+    print(f"labelled {series.valid.mean():.1%} of node samples in {time.perf_counter() - t0:.1f} s")
+
+    dataset = _dataset(structure, series, rec)
+    options = IdentifyOptions(estimate=_kinds(args.estimate), refine_kinds=_kinds(args.refine_kinds),
+                              estimate_delay=args.estimate_delay, max_iter=args.max_iter, max_time_s=args.max_time,
+                              window_s=args.window, device=args.device)
+    with progress_bar(args.max_iter if "refine" in stages else 1, "identifying") as bar:
+        result = identify(structure, dataset, stages=stages, options=options,
+                          callback=lambda info: bar.update(1) if info.get("stage") != "regression" else None)
+    if not result.ok:
+        raise UserError(f"{args.bag}: identification failed: {result.error}")
+    print(result.summary())
+
+    identified = apply_to_structure(structure, result.params, result.std_devs)
+    header = (f"Identified by `tensegrity identify` from {args.bag} ({rec.duration_s:.1f} s); "
+              f"residual RMS {result.residual_rms_m * 1e3:.2f} mm; converged={result.converged}.\n"
+              f"Values are in place; std_devs holds their standard deviations.")
+    if args.report:
+        _write_report(Path(args.report), structure, identified, series, rec, dataset, result)
+    dump_structure(identified, out, header=header)
+    print(f"wrote {out}")
+    return 0
+
+
+class _tick:
+    """A sequence view of ``items`` that advances ``bar`` as the ingest loop reads it."""
+
+    def __init__(self, items, bar):
+        self.items, self.bar = items, bar
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, k):
+        self.bar.update(1)
+        return self.items[k]
+
+
+def _kinds(text: str):
+    return tuple(k.strip() for k in text.split(",") if k.strip())
+
+
+def _dataset(structure, series, rec):
+    """Node states on structure node order (virtual nodes left invalid) with motor angles at mocap stamps."""
+    from ..ident import make_dataset
+
+    index = {n: i for i, n in enumerate(structure.node_names)}
+    T, N = len(series.t), len(structure.nodes)
+    positions = np.full((T, N, 3), np.nan)
+    valid = np.zeros((T, N), dtype=bool)
+    cols = [index[n] for n in series.names]
+    positions[:, cols] = series.positions
+    valid[:, cols] = series.valid
+    keep = (series.t >= rec.motor_times[0]) & (series.t <= rec.motor_times[-1]) if len(rec.motor_times) else \
+        np.ones(T, dtype=bool)
+    angles = None
+    if structure.actuators:
+        order = [rec.motor_names.index(a.name) for a in structure.actuators]
+        angles = np.stack([np.interp(series.t[keep], rec.motor_times, rec.motor_angles[:, j]) for j in order], axis=1)
+    return make_dataset(series.t[keep], positions[keep], valid[keep], angles, node_names=structure.node_names,
+                        actuator_names=tuple(a.name for a in structure.actuators), name=Path(rec.path).name)
+
+
+def _write_report(folder: Path, structure, identified, series, rec, dataset, result) -> None:
+    """Plots, parameter table and summary.json, written to a temporary folder and moved in place."""
+    from ..report import parameter_table, plate_motion, plot_convergence, plot_plate_motion, plot_residuals
+    from ..report.prediction import horizon_prediction
+
+    tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=folder.parent if folder.parent.exists() else None))
+    try:
+        pred = horizon_prediction(identified, dataset, horizon_s=1.0)
+        measured = plate_motion(structure.node_names, dataset.positions)
+        predicted = plate_motion(structure.node_names, pred)
+        plot_plate_motion(dataset.times, {"measured": (dataset.times, measured), "predicted": (dataset.times, predicted)},
+                          tmp / "plates.png", title=f"{structure.name}: measured vs identified model (1-s predictions)")
+        err = np.linalg.norm(pred - dataset.positions, axis=2)
+        err = np.where(dataset.valid & np.isfinite(err), err, np.nan)
+        seen = np.isfinite(err).any(axis=1)
+        per_frame = np.full(len(err), np.nan)
+        per_frame[seen] = np.sqrt(np.nanmean(err[seen] ** 2, axis=1))
+        plot_residuals(dataset.times, 1e3 * per_frame, tmp / "residuals.png", label="1-s prediction node RMS error")
+        plot_convergence([{**h["params"], "loss": h["loss"]} for h in result.history if "params" in h],
+                         tmp / "convergence.png", x_label="loss evaluation")
+        table = parameter_table({n: v for n, v in result.values().items() if n in result.std_devs},
+                                result.std_devs, result.identifiability)
+        (tmp / "parameters.txt").write_text(result.summary() + "\n\n" + table + "\n")
+        summary = {**result.to_dict(), "bag": str(rec.path), "duration_s": rec.duration_s,
+                   "prediction_1s_rms_mm": float(1e3 * np.sqrt(np.nanmean(err ** 2)))}
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+        print(f"report: {folder} (1-s prediction RMS {summary['prediction_1s_rms_mm']:.1f} mm)")
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)

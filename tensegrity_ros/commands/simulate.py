@@ -1,0 +1,149 @@
+"""`tensegrity simulate MODEL.yaml --duration S --out DIR [--bag FILE]`
+
+Runs the MuJoCo twin of a structure file driven by the reference sinusoids, writes node and plate
+trajectories (NPZ and CSV) and plots like the seed's Figure 6 (positions and ZYX Euler angles of C1 and C2
+relative to C0). With ``--bag`` it also writes a rosbag2 recording as it would come off the robot: motor
+states at 80 Hz and unlabeled, noisy, partly occluded markers at 120 Hz in a Y-up mocap frame.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from . import UserError
+from ._common import load_mocap_frame, load_model
+
+DEFAULT_REFERENCE = Path(__file__).resolve().parents[2] / "config" / "references" / "seed_sinusoids.yaml"
+#: The twin is recorded at a rate both sensor rates divide (120 Hz mocap, 80 Hz motors).
+RECORD_HZ = 240.0
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", help="structure file (YAML)")
+    parser.add_argument("--duration", type=float, required=True, help="simulated time [s]")
+    parser.add_argument("--out", required=True, help="output folder (trajectories, plots)")
+    parser.add_argument("--reference", default=str(DEFAULT_REFERENCE), help="reference sinusoids (YAML)")
+    parser.add_argument("--dt", type=float, default=1e-3, help="twin time step [s]")
+    parser.add_argument("--settle", type=float, default=1.0, help="seconds to settle before recording")
+    parser.add_argument("--perturb", type=float, default=0.0,
+                        help="simulate a 'true' robot whose K, c, m differ by this relative spread (e.g. 0.2); "
+                             "its model is written to OUT/true_model.yaml")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (perturbation, noise, occlusion)")
+    bag = parser.add_argument_group("robot bag")
+    bag.add_argument("--bag", help="write a rosbag2 recording here (a directory)")
+    bag.add_argument("--storage", choices=("mcap", "sqlite3"), default="mcap")
+    bag.add_argument("--noise-mm", type=float, default=1.0, help="marker noise, std [mm]")
+    bag.add_argument("--occlusion", type=float, default=0.02, help="probability a marker is missing in a frame")
+    bag.add_argument("--drop-frames", type=float, default=0.0, help="probability a whole mocap frame is missing")
+    bag.add_argument("--mocap-frame", help="mocap frame YAML (default config/mocap/optitrack_yup.yaml)")
+    bag.add_argument("--mocap-hz", type=float, default=120.0)
+    bag.add_argument("--motor-hz", type=float, default=80.0)
+
+
+def run(args) -> int:
+    from ..model import dump_structure
+    from ..model.perturb import perturb_structure
+    from ..references import ReferenceConfigError, load_reference, motor_angles, motor_velocities
+    from ..twin import simulate
+
+    if args.duration <= 0:
+        raise UserError(f"--duration = {args.duration}: must be > 0")
+    nominal = load_model(args.model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    structure = perturb_structure(nominal, args.perturb, args.seed) if args.perturb > 0 else nominal
+    if args.perturb > 0:
+        dump_structure(structure, out / "true_model.yaml", header="The simulated robot's true parameters.")
+    ref = None
+    if structure.actuators:
+        try:
+            ref = load_reference(args.reference, structure.actuators)
+        except ReferenceConfigError as err:
+            raise UserError(str(err)) from err
+    angle_fn = (lambda t: motor_angles(ref, structure.actuators, np.atleast_1d(t))[0]) if ref else None
+
+    traj = simulate(structure, angle_fn, args.duration, record_hz=RECORD_HZ, timestep=args.dt,
+                    settle=args.settle, progress=True)
+    _write_trajectories(out, structure, traj)
+    summary = _summarise(structure, traj)
+    if args.bag:
+        summary["bag"] = _write_bag(args, structure, traj, ref, motor_velocities)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    for k, v in summary.items():
+        print(f"  {k:<32} {v}")
+    print(f"wrote {out}/ (trajectory.npz, plates.csv, plates.png, summary.json)")
+    return 0
+
+
+def _write_trajectories(out: Path, structure, traj) -> None:
+    from ..report import plate_motion, plot_plate_motion
+
+    np.savez_compressed(out / "trajectory.npz", times=traj.times, node_names=np.array(traj.node_names),
+                        positions=traj.positions, velocities=traj.velocities, motor_angles=traj.motor_angles,
+                        tensions=traj.tensions, string_names=np.array(traj.string_names))
+    motion = plate_motion(structure.node_names, traj.positions)
+    if not motion:
+        return
+    cols, header = [traj.times], ["t_s"]
+    for plate, (pos, eul) in motion.items():
+        cols += [pos, np.degrees(eul)]
+        header += [f"{plate}_{a}_m" for a in "xyz"] + [f"{plate}_{a}_deg" for a in ("yaw", "pitch", "roll")]
+    np.savetxt(out / "plates.csv", np.column_stack(cols), delimiter=",", header=",".join(header), comments="",
+               fmt="%.6f")
+    plot_plate_motion(traj.times, {"twin": (traj.times, motion)}, out / "plates.png",
+                      title=f"{structure.name}: C1, C2 relative to C0 (MuJoCo twin)")
+
+
+def _summarise(structure, traj) -> dict:
+    from ..report import plate_motion
+
+    out = {"structure": structure.name, "duration_s": round(float(traj.times[-1]), 3),
+           "min_string_tension_N": round(float(traj.tensions.min()), 3),
+           "max_string_tension_N": round(float(traj.tensions.max()), 3)}
+    for plate, (pos, eul) in plate_motion(structure.node_names, traj.positions).items():
+        span = pos.max(axis=0) - pos.min(axis=0)
+        out[f"{plate}_excursion_mm"] = [round(float(v) * 1e3, 2) for v in span]
+        out[f"{plate}_angle_span_deg"] = [round(float(v), 2) for v in np.degrees(eul.max(0) - eul.min(0))]
+    slack = [s.name for s, low in zip(structure.strings, traj.tensions.min(axis=0)) if low <= 0]
+    out["strings_going_slack"] = slack
+    return out
+
+
+def _write_bag(args, structure, traj, ref, motor_velocities) -> str:
+    """The robot's recording: motor states at motor_hz, unlabeled markers at mocap_hz (header stamps)."""
+    from ..bags import BagError, JointSeries, MarkerSeries, write_robot_bag
+    from ..mocap import physical_nodes
+    from ..twin.markers import markers
+
+    rng = np.random.default_rng(args.seed + 1)
+    frame = load_mocap_frame(args.mocap_frame)
+    t = traj.times
+    mi = _decimate(t, args.mocap_hz)
+    phys = [structure.node_index(n) for n in physical_nodes(structure)]
+    frames = []
+    for k in mi:
+        if rng.random() < args.drop_frames:
+            continue
+        frames.append((t[k], markers(traj.positions[k], frame, args.noise_mm * 1e-3, args.occlusion, rng, phys)))
+    # Motor states: angle (rad), velocity (rad/s) and effort as the string's torque on its spool (N m).
+    ki = _decimate(t, args.motor_hz)
+    names = tuple(a.name for a in structure.actuators)
+    by_string = {s.actuator: j for j, s in enumerate(structure.strings) if s.actuator}
+    effort = np.stack([traj.tensions[ki, by_string[a.name]] * a.spool_radius for a in structure.actuators], 1) \
+        if names else np.zeros((len(ki), 0))
+    vel = motor_velocities(ref, structure.actuators, t[ki]) if ref else np.zeros((len(ki), len(names)))
+    motor = JointSeries(t[ki], names, traj.motor_angles[ki], vel, effort)
+    try:
+        write_robot_bag(args.bag, motor_states=motor, storage=args.storage, overwrite=True,
+                        markers=MarkerSeries(np.array([f[0] for f in frames]), [f[1] for f in frames]))
+    except BagError as err:
+        raise UserError(str(err)) from err
+    return f"{args.bag} ({args.storage}, {len(frames)} mocap frames, {len(ki)} motor samples)"
+
+
+def _decimate(t: np.ndarray, hz: float) -> np.ndarray:
+    """Indices of the samples closest to a ``hz`` grid over ``t``."""
+    grid = np.arange(t[0], t[-1] + 1e-9, 1.0 / hz)
+    return np.unique(np.clip(np.searchsorted(t, grid - 0.5 / RECORD_HZ), 0, len(t) - 1))

@@ -1,0 +1,220 @@
+"""``mocap_ingest``: unlabelled mocap markers in, labelled node states out (a thin shell over
+:meth:`tensegrity_ros.mocap.MocapIngest.add_frame`, the same entry point as ``tensegrity identify``'s bag
+reader and the tests).
+
+Subscribes ``/mocap/markers`` (geometry_msgs/PoseArray, one pose per marker, any frame; remap it to your
+mocap driver's topic). Publishes, once per mocap frame:
+
+* ``/tensegrity/node_states`` (tensegrity_ros/NodeStates): marker nodes in the structure frame
+  (``frame_id``), velocities from the per-node Kalman filter; occluded / rejected nodes ``valid=false``
+  with NaN; a velocity not yet estimated is NaN;
+* ``/tensegrity/plate_c1``, ``/tensegrity/plate_c2`` (geometry_msgs/PoseStamped): the seed's plate frames
+  (only while the plate's three nodes are seen);
+* ``/tf`` (tf2_msgs/TFMessage: ``frame_id`` -> ``c0``, ``c1``, ``c2``) when ``tf2_msgs`` is installed (a ROS
+  machine); the pip wheels here have no tf2_msgs, and the node then says so once and publishes PoseStamped
+  only.
+
+Service ``~/refresh_transform`` (std_srvs/Trigger when std_srvs is installed; otherwise a
+std_msgs/Empty message on the topic ``~/refresh_transform`` does the same): re-fit the mocap -> structure
+transform on the fixed nodes. Diagnostics (1 Hz): registration, visible nodes, label residuals,
+frame rate, processing time p50/p99, input drops.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+from geometry_msgs.msg import PoseArray, PoseStamped
+from std_msgs.msg import Empty
+
+from ..mocap import IngestConfig, KalmanConfig, LabellerConfig, MocapError, MocapIngest
+from ..model import load_structure
+from . import _common as C
+from ._common import ParamSpec
+from tensegrity_ros.msg import NodeStates
+
+try:  # a ROS machine has them; the pip wheels used by `make setup` do not
+    from tf2_msgs.msg import TFMessage
+except ImportError:  # pragma: no cover - depends on the installation
+    TFMessage = None
+try:
+    from std_srvs.srv import Trigger
+except ImportError:  # pragma: no cover
+    Trigger = None
+
+_L, _K = LabellerConfig(), KalmanConfig()
+
+PARAMS = (
+    ParamSpec("model_file", "", "structure YAML (node names, bars, fixed nodes)", check=C.required_file,
+              read_only=True),
+    ParamSpec("frame_id", "structure", "frame of the published node states and plate poses", read_only=True),
+    ParamSpec("initial_transform", [], "rough mocap->structure transform ([] | R row-major + t (12) | 4x4 "
+              "row-major (16)); picks the labelling of a symmetric structure", check=C.transform_list,
+              read_only=True, type_="double_array"),
+    ParamSpec("qos_reliability", "reliable", "QoS of the markers subscription (best_effort for mocap drivers "
+              "that publish best effort)", choices=("reliable", "best_effort"), read_only=True),
+    ParamSpec("publish_tf", True, "also publish c0/c1/c2 on /tf (needs tf2_msgs)"),
+    ParamSpec("gate_m", _L.gate_m, "tracking gate around each predicted node [m]", range=(1e-4, 1.0),
+              read_only=True),
+    ParamSpec("bar_tolerance_m", _L.bar_tolerance_m, "rigid-pair length tolerance [m]", range=(1e-4, 0.5),
+              read_only=True),
+    ParamSpec("reacquire_gate_m", _L.reacquire_gate_m, "largest re-acquisition radius after an occlusion [m]",
+              range=(1e-3, 5.0), read_only=True),
+    ParamSpec("max_speed_mps", _L.max_speed_mps, "node speed bound for re-acquisition [m/s]", range=(1e-3, 20.0),
+              read_only=True),
+    ParamSpec("registration_rms_m", _L.registration_rms_m, "largest RMS of an accepted registration [m]",
+              range=(1e-4, 1.0), read_only=True),
+    ParamSpec("registration_timeout_s", _L.registration_timeout_s, "report an error after this long without a "
+              "registration [s]", range=(0.0, 600.0), read_only=True),
+    ParamSpec("auto_refresh_frames", 120, "re-fit the transform once after this many frames (0 = never)",
+              range=(0, 100000), read_only=True),
+    ParamSpec("measurement_std_m", _K.measurement_std_m, "marker noise for the velocity filter [m]",
+              range=(1e-6, 0.1), read_only=True),
+    ParamSpec("accel_psd", _K.accel_psd, "velocity filter process noise [m^2/s^3]", range=(1e-9, 1e3),
+              read_only=True),
+    ParamSpec("diagnostics_period_s", 1.0, "diagnostics period [s]", range=(0.05, 60.0), read_only=True),
+)
+
+
+class MocapIngestNode(C.GraphNode):
+    DEFAULT_NAME = "mocap_ingest"
+    PARAMS = PARAMS
+
+    def __init__(self, node_name: str = DEFAULT_NAME, **kwargs):
+        super().__init__(node_name, **kwargs)
+        p = self.p
+        self.structure = load_structure(p["model_file"])
+        labeller = LabellerConfig(
+            gate_m=p["gate_m"], bar_tolerance_m=p["bar_tolerance_m"], reacquire_gate_m=p["reacquire_gate_m"],
+            max_speed_mps=p["max_speed_mps"], registration_rms_m=p["registration_rms_m"],
+            registration_timeout_s=p["registration_timeout_s"],
+            initial_transform=C.transform_from_list(p["initial_transform"]),
+            auto_refresh_frames=p["auto_refresh_frames"] or None)
+        kalman = KalmanConfig(measurement_std_m=p["measurement_std_m"], accel_psd=p["accel_psd"])
+        self.ingest = MocapIngest(self.structure, IngestConfig(labeller=labeller, kalman=kalman,
+                                                               frame_id=p["frame_id"]))
+        self._lock = threading.Lock()
+        self.seq = C.SequenceMonitor()
+        self.proc_time = C.RollingStats(2000)
+        self.rate = C.RateMeter()
+        self.frames = 0
+        self.registration_errors = 0
+        self.last_error = ""
+        self.last_sample = None
+        self.mocap_frame = ""
+
+        self.pub_states = self.counting_publisher(NodeStates, C.TOPICS["node_states"], C.STREAM_QOS)
+        self.pub_plates = {name: self.counting_publisher(PoseStamped, C.TOPICS[f"plate_{name.lower()}"],
+                                                         C.STREAM_QOS) for name in ("C1", "C2")}
+        self.pub_tf = None
+        if TFMessage is not None:
+            self.pub_tf = self.create_publisher(TFMessage, C.TOPICS["tf"], C.STREAM_QOS)
+        elif p["publish_tf"]:
+            self.get_logger().info("tf2_msgs is not installed: plate frames go out as PoseStamped only "
+                                   f"({C.TOPICS['plate_c1']}, {C.TOPICS['plate_c2']})")
+        self.markers_topic = C.TOPICS["markers"]
+        self.sub = self.create_subscription(PoseArray, self.markers_topic, self._on_markers,
+                                            C.stream_qos(p["qos_reliability"]))
+        if Trigger is not None:
+            self.srv = self.create_service(Trigger, "~/refresh_transform", self._on_refresh_srv)
+        else:
+            self.srv = self.create_subscription(Empty, "~/refresh_transform", self._on_refresh_topic, 10)
+        self.timer = self.create_timer(p["diagnostics_period_s"], self._diagnostics)
+        self.get_logger().info(f"{self.structure.name}: {len(self.ingest.names)} marker nodes; waiting for "
+                               f"markers on {self.sub.topic_name}")
+
+    # ---- data path ----------------------------------------------------------------------------------
+    def _on_markers(self, msg: PoseArray, info=None) -> None:
+        t_in = time.perf_counter()
+        self.seq.update_info(self.markers_topic, info)
+        self.rate.tick()
+        stamp, markers = C.markers_from_pose_array(msg)
+        self.mocap_frame = msg.header.frame_id
+        with self._lock:
+            try:
+                sample = self.ingest.add_frame(stamp, markers)
+            except MocapError as e:   # no registration within the timeout: say why, start over
+                self.registration_errors += 1
+                self.last_error = str(e)
+                self.get_logger().error(f"mocap: {e}", throttle_duration_sec=5.0)
+                self.ingest.reset()
+                return
+        self.frames += 1
+        self.last_sample = sample
+        self.pub_states.publish(C.sample_to_node_states(sample))
+        self._publish_plates(sample)
+        self.proc_time.add(time.perf_counter() - t_in)
+
+    def _publish_plates(self, sample) -> None:
+        frame = self.p["frame_id"]
+        transforms = []
+        for name, T in sample.plate_poses.items():
+            if T is None:
+                continue
+            pub = self.pub_plates.get(name)
+            if pub is not None:
+                pub.publish(C.pose_stamped_from_matrix(sample.stamp, T, frame))
+            transforms.append(C.transform_stamped_from_matrix(sample.stamp, T, frame, name.lower()))
+        if self.pub_tf is not None and self.p["publish_tf"] and transforms:
+            self.pub_tf.publish(TFMessage(transforms=transforms))
+
+    # ---- transform refresh ---------------------------------------------------------------------------
+    def refresh_transform(self) -> str:
+        """Re-fit the mocap->structure transform; returns a one-line result (raises MocapError)."""
+        with self._lock:
+            R, t = self.ingest.refresh_transform()
+        angle = np.degrees(np.arccos(np.clip((np.trace(R) - 1) / 2, -1, 1)))
+        return f"transform refreshed: rotation {angle:.2f} deg, translation {np.round(t, 4).tolist()} m"
+
+    def _on_refresh_srv(self, request, response):
+        try:
+            response.message = self.refresh_transform()
+            response.success = True
+        except MocapError as e:
+            response.success, response.message = False, str(e)
+        return response
+
+    def _on_refresh_topic(self, _msg) -> None:
+        try:
+            self.get_logger().info(self.refresh_transform())
+        except MocapError as e:
+            self.get_logger().error(str(e))
+
+    # ---- diagnostics ----------------------------------------------------------------------------------
+    def _diagnostics(self) -> None:
+        s = self.last_sample
+        n = len(self.ingest.names)
+        vals = {"frames": self.frames, "rate_hz": self.rate.rate(), "marker_nodes": n,
+                "registered": bool(s is not None and s.registered),
+                "input_dropped": self.seq.total_dropped, "registration_errors": self.registration_errors,
+                "mocap_frame": self.mocap_frame}
+        vals.update(self.proc_time.summary(1e3, "processing_ms_"))
+        if s is None:
+            level, message = "stale", f"no markers yet on {self.markers_topic}"
+        elif not s.registered:
+            level, message = ("error", self.last_error) if self.last_error else ("warn", "registering")
+        else:
+            seen = int(s.valid.sum())
+            vals["visible_nodes"] = seen
+            vals["velocity_valid_nodes"] = int(s.velocity_valid.sum())
+            res = s.residuals[np.isfinite(s.residuals)]
+            vals["label_residual_rms_mm"] = float(np.sqrt(np.mean(res ** 2)) * 1e3) if res.size else float("nan")
+            tr = self.ingest.transform
+            if tr is not None:
+                vals["transform_t_m"] = np.round(tr[1], 4).tolist()
+            level = "ok" if seen == n else "warn"
+            message = f"tracking {seen}/{n} nodes at {vals['rate_hz']:.0f} Hz"
+        self.publish_diagnostics([C.diag_status(f"{self.get_name()}: mocap ingest", level, message, vals,
+                                                self.structure.name)])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return C.run_node(MocapIngestNode, argv)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    sys.exit(main())

@@ -1,0 +1,781 @@
+"""``state_predictor``: at every node-state message, the next ``horizon_s`` of node positions and velocities
+for a controller, from the latest identified parameters and the commanded motor trajectory.
+
+How it stays fast (p50 < 5 ms for a 1-s horizon on CPU): a background thread rolls the nonlinear engine
+(``tensegrity_ros.engine``, nodal backend) out from a recent measured state over the horizon plus a margin
+(the *nominal*), and takes the Jacobians A_k = dx_{k+1}/dx_k, B_k = dx_{k+1}/du_k of one step along it with
+forward-mode autograd (one batched ``torch.func.jvp`` per relinearisation). Each node-state message then only
+propagates its deviation from the nominal through the linear time-varying model,
+``x_{k+1} = xbar_{k+1} + A_k (x_k - xbar_k) + B_k (u_k - ubar_k)``: ~100 small matrix-vector products. The
+nominal is refreshed every ``relinearize_period_s`` and whenever a new parameter set or motor plan arrives,
+so the deviation stays small and the first-order correction is accurate (checked against full nonlinear
+rollouts in the tests). The message goes out as pre-serialised CDR (:func:`~._common.prediction_to_cdr`).
+
+Motor future (``motor_source``): ``plan`` = the last plan from the controller on ``/tensegrity/motor_plan``
+(trajectory_msgs/JointTrajectory when installed, else sensor_msgs/JointState with ``position`` = K x A
+angles row-major, step ``plan_dt``, header.stamp = time of the first step); ``reference`` = the reference
+generator of the driver (``reference_file``), phase-locked to the measured motor angles
+(:class:`ReferenceTracker`: the driver's reference clock is not published, and locking to the measured
+angles also absorbs the motors' lag); ``hold`` = the last measured angles; ``auto`` (default) = a fresh
+plan, else the locked reference, else hold.
+
+Topics: subscribes ``/tensegrity/node_states``, ``/tensegrity/motor_states``,
+``/tensegrity/identified_parameters``, ``/tensegrity/motor_plan``; publishes ``/tensegrity/predicted_states``
+(PredictedStates: step k at header.stamp + k dt, k = 0..K-1, header.stamp = node-state stamp + dt) and
+diagnostics (latency node-state reception -> publish p50/p99, relinearisation time, motor source).
+Service ``~/get_linearization`` (GetLinearization): A_k, B_k along the latest predicted horizon, in the
+deviation form above; states = the independent nodes' positions then velocities, inputs = motor angles.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..model import Structure, load_structure
+from . import _common as C
+from ._common import ParamSpec
+
+# =====================================================================================================
+# pure core (no rclpy): motor futures and the linearised horizon predictor
+# =====================================================================================================
+
+
+class ReferenceTracker:
+    """Phase-locks a reference generator to measured motor angles.
+
+    The driver evaluates its reference at t - t_ref (t_ref = when the reference became active, on the
+    driver's clock, not published). Given measured angles u_i at times t_i, this finds the offset c with
+    u_i ~ r(t_i - c) (least squares, a global grid search first, then local tracking) and predicts the
+    future angles as r(t - c). ``locked`` is False while the robot is at rest at the reference's rest
+    angles (before the start or after the end: the future is then "hold") or when the angles do not follow
+    the reference (residual above tolerance: another command source is active).
+
+    reference: times (T,) s -> angles (T, A) rad in the motor order of :meth:`observe`; start_s / end_s:
+    where the reference moves (end None = never stops); period_s: its period.
+    """
+
+    def __init__(self, reference: Callable[[np.ndarray], np.ndarray], start_s: float, end_s: Optional[float],
+                 period_s: float, ramp_in_s: float = 0.0, history_s: float = 3.0, samples: int = 40,
+                 tolerance_rad: float = 0.03, relative_tolerance: float = 0.15):
+        self.reference = reference
+        self.start_s, self.end_s, self.period_s, self.ramp_in_s = start_s, end_s, period_s, ramp_in_s
+        self.history_s, self.samples = history_s, samples
+        self.tolerance_rad, self.relative_tolerance = tolerance_rad, relative_tolerance
+        self.rest = np.asarray(reference(np.array([start_s - 1.0])))[0]
+        self._hist: deque = deque()
+        self.offset: Optional[float] = None
+        self.locked = False
+        self.moving = False
+        self.residual_rad = math.nan
+
+    @classmethod
+    def from_reference(cls, ref, actuators, motor_names: Sequence[str], **kw) -> "ReferenceTracker":
+        """From a :class:`tensegrity_ros.references.SinusoidReference` and the actuators (angles in
+        ``motor_names`` order; motors the reference does not drive stay at their rest angle)."""
+        from .. import references as R
+
+        acts = tuple(getattr(actuators, "actuators", actuators))
+        names = list(ref.actuator_names) if ref.actuator_names else [a.name for a in acts]
+        cols = [names.index(n) if n in names else -1 for n in motor_names]
+        by_name = {a.name: a for a in acts}
+        rest = np.array([by_name[n].zero_offset if n in by_name else 0.0 for n in motor_names])
+
+        def reference(t):
+            u = R.motor_angles(ref, acts, np.asarray(t, dtype=float).reshape(-1), check_limits=False)
+            out = np.repeat(rest[None, :], u.shape[0], axis=0)
+            for j, c in enumerate(cols):
+                if c >= 0:
+                    out[:, j] = u[:, c]
+            return out
+
+        return cls(reference, ref.start_s, ref.end_s, ref.period_s, ref.ramp_in_s, **kw)
+
+    def observe(self, t: float, angles) -> None:
+        self._hist.append((float(t), np.asarray(angles, dtype=float).copy()))
+        while self._hist and t - self._hist[0][0] > self.history_s:
+            self._hist.popleft()
+
+    def _cost(self, cands: np.ndarray, t: np.ndarray, u: np.ndarray) -> np.ndarray:
+        tau = (t[None, :] - cands[:, None]).reshape(-1)
+        r = self.reference(tau).reshape(cands.size, t.size, -1)
+        return np.sqrt(np.mean((r - u[None]) ** 2, axis=(1, 2)))
+
+    def update(self) -> bool:
+        """Re-estimate the offset from the history; returns ``locked``."""
+        if len(self._hist) < 5:
+            self.locked = False
+            return False
+        idx = np.linspace(0, len(self._hist) - 1, min(self.samples, len(self._hist))).round().astype(int)
+        t = np.array([self._hist[i][0] for i in idx])
+        u = np.stack([self._hist[i][1] for i in idx])
+        ok = np.all(np.isfinite(u), axis=1)
+        t, u = t[ok], u[ok]
+        if t.size < 5:
+            self.locked = False
+            return False
+        dev = np.abs(u - self.rest[None, :])
+        self.moving = bool(dev.max() > 0.5 * self.tolerance_rad)
+        if not self.moving:
+            self.locked, self.residual_rad = False, float(np.sqrt(np.mean(dev ** 2)))
+            return False
+        t_last = t[-1]
+        best_c, best = None, math.inf
+        if self.offset is not None:   # local tracking keeps the branch (period) found at the ramp in
+            cands = self.offset + np.arange(-0.2, 0.2 + 1e-9, 0.005)
+            cost = self._cost(cands, t, u)
+            k = int(np.argmin(cost))
+            best_c, best = cands[k], cost[k]
+        tol = max(self.tolerance_rad, self.relative_tolerance * float(np.sqrt(np.mean(dev ** 2))))
+        if best > tol:                # global search over where the reference can be
+            span_end = self.end_s if self.end_s is not None else self.start_s + self.ramp_in_s + self.period_s
+            cands = np.arange(t_last - span_end, t_last - self.start_s + 1e-9, 0.02)
+            cost = np.concatenate([self._cost(ch, t, u) for ch in np.array_split(cands, max(1, cands.size // 400))])
+            k = int(np.argmin(cost))
+            fine = cands[k] + np.arange(-0.03, 0.03 + 1e-9, 0.002)
+            fc = self._cost(fine, t, u)
+            j = int(np.argmin(fc))
+            if fc[j] < best:
+                best_c, best = fine[j], fc[j]
+        self.residual_rad = float(best)
+        self.locked = bool(best <= tol)
+        self.offset = float(best_c) if self.locked else None
+        return self.locked
+
+    def angles(self, times) -> Optional[np.ndarray]:
+        """(T, A) rad at ``times`` (s), or None when not locked."""
+        if not self.locked or self.offset is None:
+            return None
+        return np.asarray(self.reference(np.asarray(times, dtype=float).reshape(-1) - self.offset))
+
+
+@dataclass(frozen=True)
+class MotorPlan:
+    """A controller's motor plan: angles (K, A) rad at ``times`` (K,) s, for motors ``names``."""
+
+    times: np.ndarray
+    names: Tuple[str, ...]
+    angles: np.ndarray
+    received: float = 0.0
+
+    def at(self, times, motor_names: Sequence[str], fallback: np.ndarray) -> np.ndarray:
+        """(T, A) angles in ``motor_names`` order; linear interpolation, held before/after the plan;
+        motors not in the plan take ``fallback`` (A,)."""
+        times = np.asarray(times, dtype=float).reshape(-1)
+        out = np.repeat(np.asarray(fallback, dtype=float)[None, :], times.size, axis=0)
+        for j, n in enumerate(motor_names):
+            if n in self.names:
+                c = self.names.index(n)
+                out[:, j] = np.interp(times, self.times, self.angles[:, c])
+        return out
+
+
+class MotorFuture:
+    """The commanded motor trajectory as a function of time: plan | reference | hold (see the module doc).
+
+    ``source``: "auto" | "plan" | "reference" | "hold". Thread-safe.
+    """
+
+    def __init__(self, motor_names: Sequence[str], source: str = "auto",
+                 tracker: Optional[ReferenceTracker] = None, plan_timeout_s: float = 1.0):
+        if source not in ("auto", "plan", "reference", "hold"):
+            raise ValueError(f"motor source {source!r} (valid: auto, plan, reference, hold)")
+        if source == "reference" and tracker is None:
+            raise ValueError("motor source 'reference' needs a reference (reference_file)")
+        self.names = tuple(motor_names)
+        self.source = source
+        self.tracker = tracker
+        self.plan: Optional[MotorPlan] = None
+        self.plan_timeout_s = plan_timeout_s
+        self.last: Optional[np.ndarray] = None
+        self.last_t = -math.inf
+        self.version = 0
+        self.active = "hold"
+        self._lock = threading.Lock()
+
+    def observe(self, t: float, names: Sequence[str], angles) -> None:
+        """Measured motor angles (any order/subset of names)."""
+        a = np.asarray(angles, dtype=float)
+        with self._lock:
+            if self.last is None:
+                self.last = np.full(len(self.names), np.nan)
+            for n, v in zip(names, a):
+                if n in self.names and math.isfinite(v):
+                    self.last[self.names.index(n)] = v
+            self.last_t = t
+            if self.tracker is not None and not np.any(np.isnan(self.last)):
+                self.tracker.observe(t, self.last)
+
+    def set_plan(self, plan: MotorPlan) -> None:
+        with self._lock:
+            self.plan = plan
+            self.version += 1
+
+    def update(self) -> str:
+        """Re-lock the reference; returns the active source name."""
+        if self.tracker is not None:
+            with self._lock:
+                self.tracker.update()
+        return self._active(time_now=self.last_t)
+
+    def _active(self, time_now: float) -> str:
+        plan_ok = self.plan is not None and (self.plan.times[-1] >= time_now or
+                                             time_now - self.plan.received <= self.plan_timeout_s)
+        if self.source == "plan" or (self.source == "auto" and plan_ok):
+            src = "plan" if self.plan is not None else "hold"
+        elif self.source in ("reference", "auto") and self.tracker is not None and self.tracker.locked:
+            src = "reference"
+        else:
+            src = "hold"
+        self.active = src
+        return src
+
+    def angles(self, times) -> Optional[np.ndarray]:
+        """(T, A) rad, or None before any motor state (no inputs known)."""
+        with self._lock:
+            if self.last is None or np.any(np.isnan(self.last)):
+                return None
+            src = self._active(self.last_t)
+            if src == "plan":
+                return self.plan.at(times, self.names, self.last)
+            if src == "reference":
+                u = self.tracker.angles(times)
+                if u is not None:
+                    return u
+            return np.repeat(self.last[None, :], np.size(times), axis=0)
+
+
+@dataclass
+class Linearization:
+    """A nominal trajectory and its step Jacobians, sampled every ``dt`` from ``t0``.
+
+    x: (K+1, n) nominal states [free-node positions (nf, 3) flattened, then velocities], m and m/s;
+    u: (K+1, A) motor angles held over each step (rad); A: (K, n, n); B: (K, n, A).
+    """
+
+    t0: float
+    dt: float
+    x: np.ndarray
+    u: np.ndarray
+    A: np.ndarray
+    B: np.ndarray
+    set_id: str
+    compute_s: float
+
+    @property
+    def steps(self) -> int:
+        return int(self.A.shape[0])
+
+    @property
+    def t_end(self) -> float:
+        return self.t0 + self.steps * self.dt
+
+
+class HorizonPredictor:
+    """Linearised horizon prediction for one structure (nodal engine). See the module docstring.
+
+    structure: the model; dt: prediction step, s; integrator: engine integrator; jac_stride: Jacobians are
+    taken every jac_stride steps and interpolated linearly in between (they vary slowly along a smooth
+    nominal); jac_chunk: Jacobian time points per batched evaluation (memory bound).
+    """
+
+    def __init__(self, structure: Structure, dt: float = 0.01, integrator: str = "semi_implicit",
+                 device: str = "cpu", jac_stride: int = 1, jac_chunk: int = 64):
+        import torch
+        from ..engine import make_engine
+
+        self.torch = torch
+        self.structure = structure
+        self.engine = make_engine(structure, "nodal", integrator, dtype=torch.float64, device=device)
+        top = self.engine.topology
+        self.dt = float(dt)
+        self.node_names = top.node_names
+        self.free = np.asarray(top.free_nodes, dtype=int)
+        self.free_names = tuple(top.node_names[i] for i in self.free)
+        self.nf = len(self.free)
+        self.n = 6 * self.nf
+        self.actuator_names = top.actuator_names
+        self.n_u = len(self.actuator_names)
+        self.T = np.asarray(top.T, dtype=float)            # (N, nf)
+        self.Xc = np.asarray(top.Xc, dtype=float)          # (N, 3)
+        self.X0 = np.asarray(top.X0, dtype=float)
+        self.jac_chunk = int(jac_chunk)
+        self.jac_stride = max(1, int(jac_stride))
+        self.state_names = tuple(f"{n}.{a}" for n in self.free_names for a in "xyz") + \
+            tuple(f"{n}.v{a}" for n in self.free_names for a in "xyz")
+        self.input_names = tuple(f"{a}.angle" for a in self.actuator_names)
+
+    # ---- helpers -----------------------------------------------------------------------------------
+    def full_positions(self, Q: np.ndarray) -> np.ndarray:
+        """(..., nf, 3) free-node positions -> (..., N, 3) all nodes (X = T Q + X_c)."""
+        return np.einsum("nf,...fj->...nj", self.T, Q) + self.Xc
+
+    def full_velocities(self, V: np.ndarray) -> np.ndarray:
+        return np.einsum("nf,...fj->...nj", self.T, V)
+
+    def _step_fn(self, params):
+        from ..engine.nodal import prepare, step_reduced
+
+        eng = self.engine
+        c = eng.constants
+        der = prepare(c, params)
+        nf, integ, opts, dt = self.nf, eng.integrator, eng.options, self.dt
+
+        def f(x, u, ud):
+            """x: (B, n) node-major [q, v]; u, ud: (B, A) or None -> (B, n)."""
+            B = x.shape[0]
+            Q = x[:, :3 * nf].reshape(B, nf, 3).mT
+            V = x[:, 3 * nf:].reshape(B, nf, 3).mT
+            Q1, V1 = step_reduced(c, der, Q, V, u, ud, None, dt, integ, opts)
+            return self.torch.cat([Q1.mT.reshape(B, -1), V1.mT.reshape(B, -1)], dim=1)
+
+        return f
+
+    def initial_state(self, params, positions: np.ndarray, velocities: np.ndarray) -> np.ndarray:
+        """(n,) state from full-node positions / velocities (N, 3) (NaN rows: file position / zero),
+        projected onto the bar lengths."""
+        X = np.where(np.isfinite(positions), positions, self.X0)
+        V = np.where(np.isfinite(velocities), velocities, 0.0)
+        st = self.engine.initial_state(self.torch.as_tensor(X), self.torch.as_tensor(V))
+        st = self.engine.project(params, st)
+        q = st.positions[0, self.free].numpy()
+        v = st.velocities[0, self.free].numpy()
+        return np.concatenate([q.reshape(-1), v.reshape(-1)])
+
+    # ---- the nominal and its Jacobians --------------------------------------------------------------------
+    def linearize(self, params, t0: float, x0: np.ndarray, u: Optional[np.ndarray], steps: int,
+                  set_id: str = "") -> Linearization:
+        """Roll out ``steps`` steps from state x0 (n,) at t0 with motor angles u (steps+1, A) (None: no
+        actuators / zero), then A_k, B_k by forward-mode autograd, batched over k and tangents."""
+        torch = self.torch
+        t_start = time.perf_counter()
+        from ..engine import inputs_from_angles
+        f = self._step_fn(params)
+        A_ = self.n_u
+        if A_ and u is None:
+            raise ValueError("motor angles are needed for an actuated structure")
+        with torch.no_grad():
+            if A_:
+                U = torch.as_tensor(np.asarray(u, dtype=float)[: steps + 1]).unsqueeze(1)   # (K+1, 1, A)
+                inp = inputs_from_angles(U, self.dt)
+                Us, Uds = inp.motor_angles[:, 0], inp.motor_velocities[:, 0]                 # (K+1, A)
+            xs = [torch.as_tensor(x0).unsqueeze(0)]
+            for k in range(steps):
+                xs.append(f(xs[-1], Us[k:k + 1] if A_ else None, Uds[k:k + 1] if A_ else None))
+            X = torch.cat(xs)                                                                 # (K+1, n)
+        if not torch.all(torch.isfinite(X)):
+            raise FloatingPointError("nominal rollout diverged (non-finite states)")
+        # Jacobians at every jac_stride-th step (and the last), linearly interpolated in between
+        ks = np.unique(np.r_[np.arange(0, steps, self.jac_stride), steps - 1])
+        Js = np.empty((ks.size, self.n, self.n + A_))
+        m = self.n + A_
+        eye = torch.eye(m, dtype=X.dtype)
+        for s in range(0, ks.size, self.jac_chunk):
+            kk = torch.as_tensor(ks[s:s + self.jac_chunk])
+            Kc = kk.numel()
+            xr = X[kk].unsqueeze(0).expand(m, Kc, self.n).reshape(m * Kc, self.n)
+            tx = eye[:, None, :self.n].expand(m, Kc, self.n).reshape(m * Kc, self.n)
+            if A_:
+                ur = Us[kk].unsqueeze(0).expand(m, Kc, A_).reshape(m * Kc, A_)
+                udr = Uds[kk].unsqueeze(0).expand(m, Kc, A_).reshape(m * Kc, A_)
+                tu = eye[:, None, self.n:].expand(m, Kc, A_).reshape(m * Kc, A_)
+                _, jt = torch.func.jvp(lambda a, b: f(a, b, udr), (xr, ur), (tx, tu))
+            else:
+                _, jt = torch.func.jvp(lambda a: f(a, None, None), (xr,), (tx,))
+            Js[s:s + Kc] = jt.reshape(m, Kc, self.n).permute(1, 2, 0).numpy()             # (Kc, n, m)
+        if ks.size == steps:
+            J = Js
+        else:
+            j = np.clip(np.searchsorted(ks, np.arange(steps), side="right") - 1, 0, ks.size - 2)
+            w = ((np.arange(steps) - ks[j]) / (ks[j + 1] - ks[j]))[:, None, None]
+            J = (1.0 - w) * Js[j] + w * Js[j + 1]
+        Amat, Bmat = J[:, :, :self.n], J[:, :, self.n:]
+        Xn = X.numpy()
+        Un = Us.numpy() if A_ else np.zeros((steps + 1, 0))
+        return Linearization(t0=float(t0), dt=self.dt, x=Xn, u=Un, A=Amat, B=Bmat, set_id=set_id,
+                             compute_s=time.perf_counter() - t_start)
+
+    # ---- per message ----------------------------------------------------------------------------------------
+    def covers(self, lin: Linearization, t: float, steps: int) -> bool:
+        i = (t - lin.t0) / lin.dt
+        return i >= -1e-9 and math.floor(i + 1e-9) + steps + 1 <= lin.steps
+
+    def predict(self, lin: Linearization, t: float, x_meas: np.ndarray, steps: int,
+                u_future: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray, int]:
+        """States at t + k dt, k = 1..steps, from the measured state x_meas (n,) at t (NaN entries: no
+        measurement, the nominal is used there). u_future: (steps, A) motor angles over the steps (None:
+        the nominal's). Returns free-node positions (steps, nf, 3), velocities (steps, nf, 3) and the
+        nominal index of t (for :meth:`jacobians`)."""
+        i = (t - lin.t0) / lin.dt
+        i0 = int(math.floor(i + 1e-9))
+        f = min(max(i - i0, 0.0), 1.0)
+        if i0 < 0 or i0 + steps + 1 > lin.steps:
+            raise ValueError(f"the nominal [{lin.t0:.3f}, {lin.t_end:.3f}] s does not cover t = {t:.3f} s + "
+                             f"{steps} steps")
+        X = lin.x
+        xb = (1 - f) * X[i0] + f * X[i0 + 1]
+        d = np.where(np.isfinite(x_meas), x_meas - xb, 0.0)
+        du = None
+        if u_future is not None and lin.u.shape[1]:
+            ub = (1 - f) * lin.u[i0:i0 + steps] + f * lin.u[i0 + 1:i0 + steps + 1]
+            du = np.asarray(u_future, dtype=float)[:steps] - ub
+            if not np.all(np.isfinite(du)) or np.abs(du).max() < 1e-12:
+                du = None
+        out = (1 - f) * X[i0 + 1:i0 + steps + 1] + f * X[i0 + 2:i0 + steps + 2]
+        A, B = lin.A, lin.B
+        for k in range(steps):
+            d = A[i0 + k] @ d
+            if du is not None:
+                d = d + B[i0 + k] @ du[k]
+            out[k] += d
+        nf = self.nf
+        return out[:, :3 * nf].reshape(steps, nf, 3), out[:, 3 * nf:].reshape(steps, nf, 3), i0
+
+    def measured_state(self, names: Sequence[str], positions: np.ndarray, velocities: np.ndarray,
+                       valid: np.ndarray) -> np.ndarray:
+        """(n,) state of the free nodes from a node-state record (NaN where unknown)."""
+        idx = {n: i for i, n in enumerate(names)}
+        q = np.full((self.nf, 3), np.nan)
+        v = np.full((self.nf, 3), np.nan)
+        for j, name in enumerate(self.free_names):
+            i = idx.get(name)
+            if i is not None and valid[i]:
+                q[j] = positions[i]
+                v[j] = velocities[i]
+        return np.concatenate([q.reshape(-1), v.reshape(-1)])
+
+    def full_from_record(self, names, positions, velocities, valid) -> Tuple[np.ndarray, np.ndarray]:
+        """(N, 3) positions / velocities of all structure nodes from a record (NaN where unknown)."""
+        idx = {n: i for i, n in enumerate(names)}
+        P = np.full((len(self.node_names), 3), np.nan)
+        V = np.full((len(self.node_names), 3), np.nan)
+        for j, name in enumerate(self.node_names):
+            i = idx.get(name)
+            if i is not None and valid[i]:
+                P[j], V[j] = positions[i], velocities[i]
+        return P, V
+
+
+# =====================================================================================================
+# the relinearisation job (runs in the worker: a spawned process by default)
+# =====================================================================================================
+_WORKER_CORES: Dict[int, HorizonPredictor] = {}
+
+
+def relinearize_job(key: int, structure: Structure, dt: float, integrator: str, jac_stride: int,
+                    values: Dict[str, float], t0: float, P: np.ndarray, V: np.ndarray, u: Optional[np.ndarray],
+                    steps: int, set_id: str) -> Linearization:
+    """Nominal + Jacobians from full-node positions / velocities (N, 3) at t0 with parameter values by name.
+    The predictor core is built once per worker (``key``)."""
+    core = _WORKER_CORES.get(key)
+    if core is None:
+        core = _WORKER_CORES[key] = HorizonPredictor(structure, dt=dt, integrator=integrator, jac_stride=jac_stride)
+    params = core.engine.default_params().with_values(values)
+    x0 = core.initial_state(params, P, V)
+    return core.linearize(params, t0, x0, u, steps, set_id)
+
+
+# =====================================================================================================
+# the node
+# =====================================================================================================
+PARAMS = (
+    ParamSpec("model_file", "", "structure YAML (nominal model; identified values replace its parameters)",
+              check=C.required_file, read_only=True),
+    ParamSpec("integrator", "semi_implicit", "engine integrator", choices=("semi_implicit", "rk4"), read_only=True),
+    ParamSpec("horizon_s", 1.0, "prediction horizon [s]", range=(0.01, 10.0), read_only=True),
+    ParamSpec("dt", 0.01, "prediction step [s]", range=(1e-4, 0.1), read_only=True),
+    ParamSpec("relinearize_period_s", 0.5, "refresh of the nominal trajectory and its Jacobians [s]",
+              range=(0.02, 60.0)),
+    ParamSpec("nominal_margin_s", 1.0, "nominal horizon beyond horizon_s (covers the refresh period and "
+              "its compute time) [s]", range=(0.05, 60.0), read_only=True),
+    ParamSpec("jac_stride", 5, "Jacobians every n prediction steps, interpolated in between", range=(1, 100),
+              read_only=True),
+    ParamSpec("motor_source", "auto", "future motor angles: auto | plan | reference | hold",
+              choices=("auto", "plan", "reference", "hold")),
+    ParamSpec("reference_file", "", "reference YAML the driver runs (for motor_source reference/auto)",
+              check=C.file_exists, read_only=True),
+    ParamSpec("plan_dt", 0.01, "step of a JointState motor plan [s]", range=(1e-4, 1.0)),
+    ParamSpec("plan_timeout_s", 1.0, "a plan older than this (and ended) is ignored [s]", range=(0.0, 3600.0)),
+    ParamSpec("output_nodes", [], "nodes to publish ([] = those of the node-state messages)", read_only=True,
+              type_="string_array"),
+    ParamSpec("publish_every", 1, "predict at every n-th node-state message", range=(1, 1000)),
+    ParamSpec("torch_threads", 1, "torch intra-op threads (process-wide)", range=(1, 256), read_only=True),
+    ParamSpec("worker", "process", "where relinearisations run: process (a spawned child: never holds the "
+              "callbacks' GIL) | thread", choices=C.WORKER_KINDS, read_only=True),
+    ParamSpec("diagnostics_period_s", 1.0, "diagnostics period [s]", range=(0.05, 60.0), read_only=True),
+)
+
+
+class StatePredictorNode(C.GraphNode):
+    DEFAULT_NAME = "state_predictor"
+    PARAMS = PARAMS
+
+    def __init__(self, node_name: str = DEFAULT_NAME, **kwargs):
+        super().__init__(node_name, **kwargs)
+        import torch
+        from sensor_msgs.msg import JointState
+        from tensegrity_ros.msg import IdentifiedParameters, NodeStates, PredictedStates
+        from tensegrity_ros.srv import GetLinearization
+
+        p = self.p
+        torch.set_num_threads(p["torch_threads"])
+        self.structure = load_structure(p["model_file"])
+        self.core = HorizonPredictor(self.structure, dt=p["dt"], integrator=p["integrator"],
+                                     jac_stride=p["jac_stride"])
+        self.steps = max(1, int(round(p["horizon_s"] / p["dt"])))
+        self.nominal_steps = self.steps + max(2, int(math.ceil(p["nominal_margin_s"] / p["dt"])))
+        self.params = self.core.engine.default_params()
+        self.set_id = "nominal"
+        self._params_version = 0
+        tracker = None
+        if p["reference_file"]:
+            from ..references import load_reference
+            ref = load_reference(p["reference_file"], self.structure.actuators)
+            tracker = ReferenceTracker.from_reference(ref, self.structure.actuators, self.core.actuator_names)
+        if p["motor_source"] == "reference" and tracker is None:
+            raise C.ParameterError("motor_source 'reference' needs reference_file")
+        self.future = MotorFuture(self.core.actuator_names, p["motor_source"], tracker, p["plan_timeout_s"])
+
+        self._lock = threading.Lock()
+        self._latest = None              # latest node-state record
+        self._lin: Optional[Linearization] = None
+        self._last_i0 = 0
+        self._last_pred_t = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._msg_count = 0
+        self.seq = C.SequenceMonitor()
+        self.latency = C.RollingStats(5000)       # reception -> publish, s
+        self.compute = C.RollingStats(5000)       # callback entry -> publish, s
+        self.lin_time = C.RollingStats(200)
+        self.predictions = 0
+        self.skipped_uncovered = 0
+        self.lin_failures = 0
+        self.last_error = ""
+        self.output_names: Optional[Tuple[str, ...]] = tuple(p["output_nodes"]) or None
+        bad = [n for n in (self.output_names or ()) if n not in self.core.node_names]
+        if bad:
+            raise C.ParameterError(f"output_nodes {bad} are not nodes of {self.structure.name}")
+
+        self.pub = self.counting_publisher(PredictedStates, C.TOPICS["predicted_states"], C.PREDICTION_QOS)
+        self.create_subscription(NodeStates, C.TOPICS["node_states"], self._on_node_states, C.STREAM_QOS)
+        self.create_subscription(JointState, C.TOPICS["motor_states"], self._on_motor_states, C.STREAM_QOS)
+        self.create_subscription(IdentifiedParameters, C.TOPICS["identified_parameters"], self._on_parameters,
+                                 C.LATCHED_QOS)
+        self._plan_type = "JointState"
+        try:
+            from trajectory_msgs.msg import JointTrajectory
+            self.create_subscription(JointTrajectory, C.TOPICS["motor_plan"], self._on_trajectory_plan, 10)
+            self._plan_type = "JointTrajectory"
+        except ImportError:
+            self.create_subscription(JointState, C.TOPICS["motor_plan"], self._on_joint_state_plan, 10)
+        self.srv = self.create_service(GetLinearization, "~/get_linearization", self._on_get_linearization)
+        self.timer = self.create_timer(p["diagnostics_period_s"], self._diagnostics)
+        self._pool = C.make_worker(p["worker"], C.worker_init, (p["torch_threads"], 0))
+        self._key = id(self)
+        self._thread = threading.Thread(target=self._linearizer, name="state-predictor-linearizer", daemon=True)
+        self._thread.start()
+
+    # ---- inputs -------------------------------------------------------------------------------------------
+    def _on_motor_states(self, msg, info=None) -> None:
+        self.seq.update_info(C.TOPICS["motor_states"], info)
+        r = C.joint_state_from_msg(msg)
+        self.future.observe(r.stamp, r.names, r.position)
+
+    def _on_parameters(self, msg) -> None:
+        try:
+            ps = C.parameter_set_from_msg(msg)
+            params = C.params_with_set(self.core.engine.default_params(), ps)
+        except (ValueError, RuntimeError) as e:
+            self.get_logger().error(f"identified parameters not usable: {e}")
+            return
+        with self._lock:
+            self.params, self.set_id = params, ps.set_id
+            self._params_version += 1
+        self._wake.set()
+
+    def _on_joint_state_plan(self, msg) -> None:
+        A = len(msg.name)
+        pos = np.asarray(msg.position, dtype=float)
+        if A == 0 or pos.size == 0 or pos.size % A:
+            self.get_logger().warn(f"motor plan: {pos.size} positions for {A} names (need K x A)",
+                                   throttle_duration_sec=5.0)
+            return
+        K = pos.size // A
+        t0 = C.stamp_to_sec(msg.header.stamp)
+        self._set_plan(MotorPlan(t0 + self.p["plan_dt"] * np.arange(K), tuple(msg.name), pos.reshape(K, A),
+                                 self.now_s()))
+
+    def _on_trajectory_plan(self, msg) -> None:  # pragma: no cover - needs trajectory_msgs
+        t0 = C.stamp_to_sec(msg.header.stamp)
+        times = np.array([t0 + p.time_from_start.sec + p.time_from_start.nanosec * 1e-9 for p in msg.points])
+        angles = np.array([list(p.positions) for p in msg.points], dtype=float)
+        if times.size == 0 or angles.shape[1] != len(msg.joint_names):
+            return
+        self._set_plan(MotorPlan(times, tuple(msg.joint_names), angles, self.now_s()))
+
+    def _set_plan(self, plan: MotorPlan) -> None:
+        self.future.set_plan(plan)
+        self._wake.set()
+
+    # ---- the nominal (background thread) -------------------------------------------------------------------
+    def _linearizer(self) -> None:
+        seen_params, seen_plan = -1, -1
+        next_due = 0.0
+        while not self._stop.is_set():
+            self._wake.wait(timeout=0.02)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            with self._lock:
+                rec = self._latest
+                params, set_id, pv = self.params, self.set_id, self._params_version
+            if rec is None:
+                continue
+            now = time.monotonic()
+            lin = self._lin
+            stale = lin is None or not self.core.covers(lin, rec.stamp, self.steps + 1)
+            if not (stale or now >= next_due or pv != seen_params or self.future.version != seen_plan):
+                continue
+            seen_params, seen_plan = pv, self.future.version
+            next_due = now + self.p["relinearize_period_s"]
+            try:
+                self._relinearize(rec, params, set_id)
+            except Exception as e:   # keep predicting with the previous nominal; say why
+                self.lin_failures += 1
+                self.last_error = f"relinearisation failed: {type(e).__name__}: {e}"
+                self.get_logger().error(self.last_error, throttle_duration_sec=5.0)
+
+    def _relinearize(self, rec, params, set_id: str) -> None:
+        core = self.core
+        self.future.update()
+        t0 = rec.stamp
+        P, V = core.full_from_record(rec.names, rec.positions, rec.velocities, rec.valid)
+        lin = self._lin
+        if lin is not None and core.covers(lin, t0, 0):   # unseen nodes: from the current nominal
+            i = min(int(round((t0 - lin.t0) / lin.dt)), lin.steps)
+            xq = lin.x[i, :3 * core.nf].reshape(core.nf, 3)
+            xv = lin.x[i, 3 * core.nf:].reshape(core.nf, 3)
+            Pn, Vn = core.full_positions(xq), core.full_velocities(xv)
+            P = np.where(np.isfinite(P), P, Pn)
+            V = np.where(np.isfinite(V), V, Vn)
+        K = self.nominal_steps
+        u = self.future.angles(t0 + core.dt * np.arange(K + 1)) if core.n_u else None
+        if core.n_u and u is None:
+            return   # no motor state yet
+        t_start = time.perf_counter()
+        values = {n: float(v) for n, v in params.named().items()}
+        new = self._pool.submit(relinearize_job, self._key, self.structure, core.dt, self.p["integrator"],
+                                self.p["jac_stride"], values, t0, P, V, u, K, set_id).result()
+        self.lin_time.add(time.perf_counter() - t_start)
+        self._lin = new
+
+    # ---- per message ---------------------------------------------------------------------------------------
+    def _on_node_states(self, msg, info=None) -> None:
+        t_in = time.perf_counter()
+        t_rx_ns = time.time_ns()
+        if info is not None and info.get("received_timestamp"):
+            t_rx_ns = int(info["received_timestamp"])
+        self.seq.update_info(C.TOPICS["node_states"], info)
+        rec = C.node_states_from_msg(msg)
+        with self._lock:
+            first = self._latest is None
+            self._latest = rec
+        if first:
+            self._wake.set()
+        self._msg_count += 1
+        if (self._msg_count - 1) % self.p["publish_every"]:
+            return
+        lin = self._lin
+        if lin is None or not rec.valid.any():
+            return
+        core = self.core
+        if not core.covers(lin, rec.stamp, self.steps + 1):
+            self.skipped_uncovered += 1
+            self._wake.set()
+            return
+        x = core.measured_state(rec.names, rec.positions, rec.velocities, rec.valid)
+        u_future = None
+        if core.n_u:
+            u_future = self.future.angles(rec.stamp + core.dt * np.arange(self.steps))
+        q, v, i0 = core.predict(lin, rec.stamp, x, self.steps, u_future)
+        names = self.output_names or rec.names
+        idx = [core.node_names.index(n) for n in names if n in core.node_names]
+        out_names = tuple(core.node_names[i] for i in idx)
+        P = core.full_positions(q)[:, idx]
+        Vv = core.full_velocities(v)[:, idx]
+        pred = C.Prediction(rec.stamp + core.dt, core.dt, out_names, P, Vv, lin.set_id, rec.frame_id or "structure")
+        self.pub.publish(C.prediction_to_cdr(pred))
+        self._last_i0, self._last_pred_t, self._last_lin = i0, rec.stamp, lin
+        self.predictions += 1
+        self.compute.add(time.perf_counter() - t_in)
+        self.latency.add((time.time_ns() - t_rx_ns) * 1e-9)
+
+    # ---- service -------------------------------------------------------------------------------------------
+    def _on_get_linearization(self, request, response):
+        lin = getattr(self, "_last_lin", None)
+        if lin is None:
+            response.success, response.message = False, "no prediction yet (waiting for node states / motor states)"
+            return response
+        i0 = self._last_i0
+        K = self.steps if request.max_steps == 0 else min(int(request.max_steps), self.steps)
+        A, B = lin.A[i0:i0 + K], lin.B[i0:i0 + K]
+        response.success = True
+        response.message = (f"deviation form about the nominal of set {lin.set_id!r} from t = {self._last_pred_t:.3f} s: "
+                            "dx[k+1] = A[k] dx[k] + B[k] du[k]")
+        response.horizon_steps = int(A.shape[0])
+        response.state_dim, response.input_dim = self.core.n, self.core.n_u
+        response.dt = lin.dt
+        response.a_matrices = A.reshape(-1).tolist()
+        response.b_matrices = B.reshape(-1).tolist()
+        response.state_names = list(self.core.state_names)
+        response.input_names = list(self.core.input_names)
+        return response
+
+    # ---- diagnostics -------------------------------------------------------------------------------------
+    def _diagnostics(self) -> None:
+        vals: Dict[str, object] = {"predictions": self.predictions, "parameter_set_id": self.set_id,
+                                   "horizon_steps": self.steps, "dt_s": self.core.dt,
+                                   "motor_source": self.future.active, "plan_type": self._plan_type,
+                                   "input_dropped": self.seq.total_dropped,
+                                   "skipped_uncovered": self.skipped_uncovered,
+                                   "relinearize_failures": self.lin_failures}
+        vals.update(self.latency.summary(1e3, "latency_ms_"))
+        vals.update(self.compute.summary(1e3, "compute_ms_"))
+        vals.update(self.lin_time.summary(1e3, "relinearize_ms_"))
+        tr = self.future.tracker
+        if tr is not None:
+            vals["reference_locked"] = tr.locked
+            vals["reference_residual_rad"] = tr.residual_rad
+        if self.predictions == 0:
+            level, message = "warn", self.last_error or "waiting for node states and motor states"
+        elif self.lin_failures and self.last_error:
+            level, message = "warn", self.last_error
+        else:
+            p50, p99 = self.latency.percentile(50) * 1e3, self.latency.percentile(99) * 1e3
+            level, message = "ok", f"latency p50 {p50:.2f} ms, p99 {p99:.2f} ms"
+        self.publish_diagnostics([C.diag_status(f"{self.get_name()}: state predictor", level, message, vals,
+                                                self.structure.name)])
+
+    def destroy_node(self):
+        self._stop.set()
+        self._wake.set()
+        C.stop_worker(self._pool)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        return super().destroy_node()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return C.run_node(StatePredictorNode, argv)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Static checks of launch/*.launch.py without importing `launch` (not installed here): parsed with ast.
+
+* every executable a Node / `ros2 run` names is a console script of setup.py and a launcher in scripts/;
+* every file they reference (config/nodes, config/models, config/hardware, config/references, included
+  launch files) exists;
+* every parameter they set (inline dicts and the ros__parameters of the YAML files, for the node name they
+  launch) is declared by that node (its module's PARAMS table; the driver's declarations are read from its
+  source);
+* every LaunchConfiguration is declared, every argument passed to an included file is declared there;
+* the record option is `ros2 bag record -s mcap -a`; every config/nodes/*.yaml only sets declared parameters.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+from typing import Dict, List, Optional, Set
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = sorted((ROOT / "launch").glob("*.launch.py"))
+ALWAYS_DECLARED = {"use_sim_time"}   # declared by rclpy itself
+
+
+def _const(node) -> Optional[str]:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _call_name(node: ast.Call) -> str:
+    f = node.func
+    return f.id if isinstance(f, ast.Name) else (f.attr if isinstance(f, ast.Attribute) else "")
+
+
+def _kw(call: ast.Call, name: str):
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+def setup_executables() -> Set[str]:
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "NODES" for t in node.targets):
+            return {_const(e) for e in node.value.elts}
+    raise AssertionError("setup.py has no NODES tuple")
+
+
+def declared_parameters(executable: str) -> Set[str]:
+    """Parameter names a node declares: its module's PARAMS table, else its declare_parameter calls and
+    ("name", default, descriptor) tuples in its source (the driver)."""
+    mod = importlib.import_module(f"tensegrity_ros.nodes.{executable}")
+    if hasattr(mod, "PARAMS"):
+        return {s.name for s in mod.PARAMS} | ALWAYS_DECLARED
+    names = set(ALWAYS_DECLARED)
+    for node in ast.walk(ast.parse(Path(mod.__file__).read_text())):
+        if isinstance(node, ast.Call) and _call_name(node) == "declare_parameter" and node.args:
+            names.add(_const(node.args[0]))
+        if isinstance(node, ast.Tuple) and len(node.elts) == 3 and _const(node.elts[0]) and \
+                isinstance(node.elts[2], ast.Call) and _call_name(node.elts[2]) == "_descriptor":
+            names.add(_const(node.elts[0]))
+    names.discard(None)
+    return names
+
+
+class LaunchFile:
+    def __init__(self, path: Path):
+        self.path = path
+        self.tree = ast.parse(path.read_text())
+        self.calls = [n for n in ast.walk(self.tree) if isinstance(n, ast.Call)]
+        consts = {}
+        for node in self.tree.body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and _const(node.value) is not None:
+                consts[getattr(node.targets[0], "id", "")] = _const(node.value)
+        self.consts = consts
+
+    def value(self, node) -> Optional[str]:
+        if isinstance(node, ast.Name):
+            return self.consts.get(node.id)
+        return _const(node)
+
+    def of(self, *names: str) -> List[ast.Call]:
+        return [c for c in self.calls if _call_name(c) in names]
+
+    def share_paths(self) -> List[Path]:
+        """Files named by _share(...)/_config(...) calls (installed share dir = the source tree)."""
+        out = []
+        for c in self.of("_share", "_config"):
+            parts = [self.value(a) for a in c.args]
+            if c.args and all(parts):
+                out.append(ROOT.joinpath(*(["config", "nodes"] if _call_name(c) == "_config" else []), *parts))
+        return out
+
+    def declared_arguments(self) -> Set[str]:
+        return {self.value(c.args[0]) for c in self.of("DeclareLaunchArgument")}
+
+    def used_configurations(self) -> Set[str]:
+        return {self.value(c.args[0]) for c in self.of("LaunchConfiguration")}
+
+
+def _yaml_parameters(path: Path, node_name: str) -> Dict[str, object]:
+    data = yaml.safe_load(path.read_text()) or {}
+    out = {}
+    for key, section in data.items():
+        if key.lstrip("/") in (node_name, "**"):
+            out.update((section or {}).get("ros__parameters", {}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def launch_files():
+    assert LAUNCH, "no launch files"
+    return {p.name: LaunchFile(p) for p in LAUNCH}
+
+
+def test_expected_launch_files_exist(launch_files):
+    assert {"manipulator.launch.py", "sim.launch.py", "replay.launch.py"} <= set(launch_files)
+    for lf in launch_files.values():   # they are real launch files
+        src = lf.path.read_text()
+        assert "def generate_launch_description" in src and "from launch" in src
+
+
+def test_executables_exist(launch_files):
+    exes = setup_executables()
+    scripts = {p.name for p in (ROOT / "scripts").iterdir()}
+    seen = set()
+    for lf in launch_files.values():
+        for c in lf.of("Node"):
+            assert lf.value(_kw(c, "package")) == "tensegrity_ros", lf.path.name
+            exe = lf.value(_kw(c, "executable"))
+            assert exe in exes, f"{lf.path.name}: executable {exe!r} is not a setup.py entry point {sorted(exes)}"
+            assert exe in scripts, f"{lf.path.name}: no launcher scripts/{exe}"
+            seen.add(exe)
+    assert seen == exes, f"launch files start {sorted(seen)}, setup.py has {sorted(exes)}"
+
+
+def test_referenced_files_exist(launch_files):
+    for lf in launch_files.values():
+        paths = lf.share_paths()
+        assert paths, lf.path.name
+        for p in paths:
+            assert p.is_file(), f"{lf.path.name} references {p.relative_to(ROOT)}, which does not exist"
+
+
+def test_parameters_are_declared_by_the_nodes(launch_files):
+    for lf in launch_files.values():
+        for c in lf.of("Node"):
+            exe, name = lf.value(_kw(c, "executable")), lf.value(_kw(c, "name"))
+            declared = declared_parameters(exe)
+            params = _kw(c, "parameters")
+            assert isinstance(params, ast.List), f"{lf.path.name}: {exe} parameters must be a list"
+            for item in params.elts:
+                if isinstance(item, ast.Dict):
+                    keys = {lf.value(k) for k in item.keys}
+                    bad = keys - declared
+                    assert not bad, f"{lf.path.name}: {exe} does not declare {sorted(bad)}"
+                elif isinstance(item, ast.Call) and _call_name(item) == "_config":
+                    f = ROOT / "config" / "nodes" / lf.value(item.args[0])
+                    keys = set(_yaml_parameters(f, name))
+                    assert keys, f"{f.name} has no ros__parameters for node {name!r}"
+                    bad = keys - declared
+                    assert not bad, f"{f.name}: {exe} does not declare {sorted(bad)}"
+                else:
+                    raise AssertionError(f"{lf.path.name}: unexpected parameters entry {ast.dump(item)[:80]}")
+
+
+def test_every_node_config_sets_only_declared_parameters():
+    for f in sorted((ROOT / "config" / "nodes").glob("*.yaml")):
+        data = yaml.safe_load(f.read_text())
+        assert isinstance(data, dict) and data, f.name
+        for node_name, section in data.items():
+            assert "ros__parameters" in section, f"{f.name}: {node_name} lacks ros__parameters"
+            exe = node_name.lstrip("/")
+            bad = set(section["ros__parameters"]) - declared_parameters(exe)
+            assert not bad, f"{f.name}: {exe} does not declare {sorted(bad)}"
+
+
+def test_launch_configurations_are_declared_and_includes_match(launch_files):
+    for lf in launch_files.values():
+        missing = lf.used_configurations() - lf.declared_arguments()
+        assert not missing, f"{lf.path.name}: LaunchConfiguration {sorted(missing)} not declared"
+        for inc in lf.of("IncludeLaunchDescription"):
+            src = inc.args[0]
+            target = [lf.value(a) for a in src.args[0].args][-1]
+            assert target in launch_files, f"{lf.path.name} includes {target}, which does not exist"
+            args = _kw(inc, "launch_arguments")
+            keys = {lf.value(k) for k in args.func.value.keys}
+            bad = keys - launch_files[target].declared_arguments()
+            assert not bad, f"{lf.path.name} passes {sorted(bad)} that {target} does not declare"
+
+
+def test_record_option_records_everything_to_mcap(launch_files):
+    recorders = []
+    for lf in launch_files.values():
+        for c in lf.of("ExecuteProcess"):
+            cmd = [lf.value(e) for e in _kw(c, "cmd").elts]
+            if cmd[:3] == ["ros2", "bag", "record"]:
+                assert cmd[3:6] == ["-s", "mcap", "-a"], cmd
+                cond = _kw(c, "condition")
+                assert cond is not None and _call_name(cond) == "IfCondition"
+                recorders.append(lf.path.name)
+    assert recorders
+    for name in ("manipulator.launch.py", "sim.launch.py", "replay.launch.py"):   # all reach it through the include
+        lf = launch_files[name]
+        assert name in recorders or "record" in lf.declared_arguments()
+
+
+def test_mocap_topic_is_remappable(launch_files):
+    lf = launch_files["graph.launch.py"]
+    ingest = next(c for c in lf.of("Node") if lf.value(_kw(c, "executable")) == "mocap_ingest")
+    remaps = _kw(ingest, "remappings")
+    assert remaps is not None and lf.value(remaps.elts[0].elts[0]) == "/mocap/markers"
+    assert "mocap_topic" in launch_files["manipulator.launch.py"].declared_arguments()

@@ -1,0 +1,139 @@
+"""Structure files: every validation error names the file, the key path and the offending value."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tensegrity_ros.model import StructureError, dump_structure, load_structure, structure_to_dict
+
+MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
+REFERENCE = ["spring_rod", "icosahedron", "icosahedron_spread", "stacked_manipulator"]
+
+
+def _base() -> dict:
+    """A small valid structure (two bars, three strings, one actuator, one coincidence)."""
+    return {
+        "name": "tiny",
+        "gravity": [0.0, 0.0, -9.81],
+        "nodes": [{"name": "a", "position": [0.0, 0.0, 0.0], "fixed": True},
+                  {"name": "b", "position": [1.0, 0.0, 0.0]},
+                  {"name": "c", "position": [1.0, 1.0, 0.0]},
+                  {"name": "d", "position": [0.0, 1.0, 1.0]},
+                  {"name": "d_v1", "position": [0.0, 1.0, 1.0]}],
+        "bars": [{"name": "b1", "nodes": ["b", "c"], "mass": 1.0},
+                 {"name": "b2", "nodes": ["d", "a"], "mass": 1.0}],
+        "strings": [{"name": "s1", "nodes": ["a", "b"], "stiffness": 100.0, "damping": 1.0, "rest_length": 0.9},
+                    {"name": "s2", "nodes": ["a", "c", "d"], "stiffness": 100.0, "rest_length": 2.0,
+                     "actuator": "m1"},
+                    {"name": "s3", "nodes": ["b", "d_v1"], "stiffness": 50.0, "rest_length": 1.5}],
+        "constraints": [{"type": "coincident", "nodes": ["d", "d_v1"]}],
+        "actuators": [{"name": "m1", "motor_id": 1, "spool_radius": 0.01},
+                      {"name": "m2", "motor_id": 2, "spool_radius": 0.01}],
+    }
+
+
+def _write(tmp_path: Path, data, name="bad.yaml", text=None) -> Path:
+    p = tmp_path / name
+    p.write_text(text if text is not None else yaml.safe_dump(data, sort_keys=False))
+    return p
+
+
+def _error(tmp_path, data=None, text=None) -> StructureError:
+    p = _write(tmp_path, data, text=text)
+    with pytest.raises(StructureError) as info:
+        load_structure(p)
+    err = info.value
+    assert str(p) in str(err), "message must name the file"
+    return err
+
+
+def test_base_is_valid(tmp_path):
+    s = load_structure(_write(tmp_path, _base(), "ok.yaml"))
+    assert s.name == "tiny" and len(s.strings) == 3 and s.fixed_nodes == ("a",)
+
+
+def test_unknown_node(tmp_path):
+    d = _base()
+    d["strings"][0]["nodes"] = ["a", "zz"]
+    err = _error(tmp_path, d)
+    assert err.key == "strings[0].nodes[1]" and err.value == "zz"
+    assert "strings[0].nodes[1]" in str(err) and "'zz'" in str(err) and "unknown node" in str(err)
+
+
+def test_zero_length_bar(tmp_path):
+    d = _base()
+    d["nodes"][2]["position"] = [1.0, 0.0, 0.0]  # c on top of b
+    err = _error(tmp_path, d)
+    assert err.key == "bars[0].nodes" and "zero-length" in str(err) and "['b', 'c']" in str(err)
+
+
+def test_negative_stiffness(tmp_path):
+    d = _base()
+    d["strings"][1]["stiffness"] = -5.0
+    err = _error(tmp_path, d)
+    assert err.key == "strings[1].stiffness" and err.value == -5.0 and "-5.0" in str(err) and "> 0" in str(err)
+
+
+def test_string_through_same_node_twice(tmp_path):
+    d = _base()
+    d["strings"][1]["nodes"] = ["a", "c", "a"]
+    err = _error(tmp_path, d)
+    assert err.key == "strings[1].nodes[2]" and err.value == "a" and "twice" in str(err)
+
+
+def test_duplicate_motor_id(tmp_path):
+    d = _base()
+    d["actuators"][1]["motor_id"] = 1
+    err = _error(tmp_path, d)
+    assert err.key == "actuators[1].motor_id" and err.value == 1 and "already used" in str(err) and "m1" in str(err)
+
+
+def test_constraint_on_missing_node(tmp_path):
+    d = _base()
+    d["constraints"][0]["nodes"] = ["d", "ghost"]
+    err = _error(tmp_path, d)
+    assert err.key == "constraints[0].nodes[1]" and err.value == "ghost" and "'ghost'" in str(err)
+
+
+def test_unknown_key(tmp_path):
+    d = _base()
+    d["bars"][1]["colour"] = "red"
+    err = _error(tmp_path, d)
+    assert err.key == "bars[1].colour" and err.value == "red" and "unknown key" in str(err)
+
+
+def test_bad_yaml(tmp_path):
+    err = _error(tmp_path, text="name: tiny\nnodes: [\n  - {name: a\n")
+    assert err.key.startswith("line ") and "not valid YAML" in str(err)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(StructureError) as info:
+        load_structure(tmp_path / "nope.yaml")
+    assert "nope.yaml" in str(info.value) and "cannot read" in str(info.value)
+
+
+@pytest.mark.parametrize("name", REFERENCE)
+def test_reference_files_load(name):
+    s = load_structure(MODELS / f"{name}.yaml")
+    assert s.name == name and s.nodes and s.bars and s.strings
+
+
+@pytest.mark.parametrize("name", REFERENCE)
+def test_dump_load_round_trip(tmp_path, name):
+    s = load_structure(MODELS / f"{name}.yaml")
+    out = tmp_path / f"{name}.yaml"
+    dump_structure(s, out, header="round trip")
+    back = load_structure(out)
+    assert structure_to_dict(back) == structure_to_dict(s)
+    assert back.notes == s.notes and back.description == s.description
+
+
+def test_round_trip_of_edited_dict(tmp_path):
+    d = copy.deepcopy(_base())
+    s = load_structure(_write(tmp_path, d, "a.yaml"))
+    dump_structure(s, tmp_path / "b.yaml")
+    assert structure_to_dict(load_structure(tmp_path / "b.yaml")) == structure_to_dict(s)

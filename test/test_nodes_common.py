@@ -1,0 +1,153 @@
+"""nodes/_common: message <-> array conversions (through real serialisation), the fast PredictedStates CDR
+codec against rclpy's, parameter specs and their run-time validation, drop counting."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from rclpy.parameter import Parameter
+from rclpy.serialization import deserialize_message, serialize_message
+
+from conftest import unique_name
+from tensegrity_ros.msg import IdentifiedParameters, NodeStates, PredictedStates
+from tensegrity_ros.nodes import _common as C
+
+
+def _ser(msg):
+    return deserialize_message(serialize_message(msg), type(msg))
+
+
+def test_node_states_roundtrip_keeps_nan_and_validity():
+    rng = np.random.default_rng(1)
+    P, V = rng.normal(size=(5, 3)), rng.normal(size=(5, 3))
+    valid = np.array([True, False, True, True, True])
+    P[1] = np.nan
+    V[3] = np.nan  # velocity not estimated yet
+    msg = _ser(C.node_states_to_msg(12.25, [f"n{i}" for i in range(5)], P, V, valid, "structure", "note"))
+    r = C.node_states_from_msg(msg)
+    assert r.names == tuple(f"n{i}" for i in range(5)) and r.frame_id == "structure"
+    assert r.stamp == pytest.approx(12.25, abs=1e-9)
+    np.testing.assert_array_equal(r.valid, valid)
+    np.testing.assert_array_equal(r.positions[valid], P[valid])
+    assert np.isnan(r.positions[1]).all()
+    np.testing.assert_array_equal(r.velocity_valid, [True, False, True, False, True])
+
+
+def test_joint_state_markers_and_poses():
+    js = _ser(C.joint_state_to_msg(3.5, ["m1", "m2"], [0.1, -0.2], [1.0, 2.0]))
+    r = C.joint_state_from_msg(js)
+    assert r.names == ("m1", "m2") and r.stamp == pytest.approx(3.5)
+    np.testing.assert_array_equal(r.position, [0.1, -0.2])
+    assert np.isnan(r.effort).all()   # absent -> NaN
+    pts = np.arange(12.0).reshape(4, 3)
+    t, m = C.markers_from_pose_array(_ser(C.markers_to_pose_array(7.0, pts, "mocap")))
+    assert t == 7.0
+    np.testing.assert_array_equal(m, pts)
+    # pose <-> matrix through a quaternion
+    a = 0.7
+    T = np.eye(4)
+    T[:3, :3] = [[math.cos(a), -math.sin(a), 0], [math.sin(a), math.cos(a), 0], [0, 0, 1]]
+    T[:3, 3] = [0.1, 0.2, 0.3]
+    np.testing.assert_allclose(C.matrix_from_pose(C.pose_from_matrix(T)), T, atol=1e-12)
+    for R in (np.diag([1.0, -1.0, -1.0]), np.diag([-1.0, 1.0, -1.0]), np.diag([-1.0, -1.0, 1.0])):
+        np.testing.assert_allclose(C.matrix_from_quaternion(*C.quaternion_from_matrix(R)), R, atol=1e-12)
+
+
+def test_prediction_cdr_equals_rclpy_serialisation():
+    rng = np.random.default_rng(0)
+    pred = C.Prediction(1234.5678, 0.01, tuple(f"n{i}" for i in range(7)), rng.normal(size=(13, 7, 3)),
+                        rng.normal(size=(13, 7, 3)), "set-3", "structure")
+    fast = C.prediction_to_cdr(pred)
+    slow = serialize_message(C.prediction_to_msg(pred))
+    assert len(fast) == len(slow)
+    for data in (fast, slow):   # both decode the same, with rclpy and with the fast decoder
+        for got in (C.prediction_from_msg(deserialize_message(data, PredictedStates)), C.prediction_from_cdr(data)):
+            np.testing.assert_array_equal(got.positions, pred.positions)
+            np.testing.assert_array_equal(got.velocities, pred.velocities)
+            assert got.node_names == pred.node_names and got.parameter_set_id == "set-3"
+            assert got.dt == 0.01 and got.stamp == pytest.approx(pred.stamp, abs=1e-9)
+            assert got.frame_id == "structure" and got.horizon_steps == 13
+    empty = C.Prediction(0.0, 0.01, (), np.zeros((0, 0, 3)), np.zeros((0, 0, 3)))
+    assert deserialize_message(C.prediction_to_cdr(empty), PredictedStates).horizon_steps == 0
+
+
+def test_parameter_set_roundtrip():
+    ps = C.ParameterSet("abc", ("s1.stiffness", "b2.mass", "control_force_scalar"), np.array([100.0, 0.3, 1.2]),
+                        np.array([1.0, 0.01, 0.1]), np.array([0.99, 0.97, 0.0]), 0.0012, (10.0, 20.0), True,
+                        "ok", 20.5)
+    msg = _ser(C.parameter_set_to_msg(ps))
+    assert list(msg.element_names) == ["s1", "b2", ""] and list(msg.kinds) == ["stiffness", "mass",
+                                                                               "control_force_scalar"]
+    back = C.parameter_set_from_msg(msg)
+    assert back.names == ps.names and back.set_id == "abc" and back.converged
+    np.testing.assert_array_equal(back.values, ps.values)
+    np.testing.assert_array_equal(back.std_devs, ps.std_devs)
+    assert back.window == pytest.approx((10.0, 20.0)) and back.fit_residual == pytest.approx(0.0012)
+    bad = IdentifiedParameters(element_names=["s1"], kinds=["stiffness"], values=[1.0, 2.0], std_devs=[0.1])
+    with pytest.raises(ValueError):
+        C.parameter_set_from_msg(bad)
+
+
+def test_param_spec_checks():
+    s = C.ParamSpec("rate", 1.0, "", range=(0.1, 10.0))
+    assert s.problem(2) is None and s.problem(0.0) is not None and s.problem("x") is not None
+    assert s.problem(float("nan")) is not None
+    c = C.ParamSpec("mode", "a", "", choices=("a", "b"))
+    assert c.problem("b") is None and "one of" in c.problem("z")
+    t = C.ParamSpec("tf", [], "", check=C.transform_list, type_="double_array")
+    assert t.problem([]) is None and t.problem([1.0] * 12) is None and t.problem([1.0] * 5) is not None
+    R, tr = C.transform_from_list(list(np.eye(4).reshape(-1)))
+    np.testing.assert_array_equal(R, np.eye(3))
+    assert C.transform_from_list([]) is None
+
+
+class _Demo(C.GraphNode):
+    PARAMS = (C.ParamSpec("rate_hz", 10.0, "a rate", range=(1.0, 100.0)),
+              C.ParamSpec("mode", "fast", "a mode", choices=("fast", "slow")),
+              C.ParamSpec("fixed", 3, "read only", read_only=True),
+              C.ParamSpec("names", [], "names", type_="string_array"))
+
+    def on_parameter_change(self, name, value):
+        return "slow is vetoed by the node" if (name, value) == ("mode", "slow") else None
+
+
+def test_graph_node_declares_validates_and_rejects_with_reason(rclpy_context):
+    node = _Demo(unique_name("demo"), context=rclpy_context,
+                 parameter_overrides=[Parameter("rate_hz", value=20.0)])
+    try:
+        assert node.p == {"rate_hz": 20.0, "mode": "fast", "fixed": 3, "names": []}
+        desc = node.describe_parameter("rate_hz")
+        assert desc.description == "a rate" and desc.floating_point_range[0].to_value == 100.0
+        ok = node.set_parameters([Parameter("rate_hz", value=50.0)])[0]
+        assert ok.successful and node.p["rate_hz"] == 50.0
+        bad = node.set_parameters([Parameter("mode", value="warp")])[0]
+        assert not bad.successful and "one of" in bad.reason
+        veto = node.set_parameters([Parameter("mode", value="slow")])[0]
+        assert not veto.successful and "vetoed" in veto.reason and node.p["mode"] == "fast"
+        ro = node.set_parameters([Parameter("fixed", value=4)])[0]
+        assert not ro.successful
+    finally:
+        node.destroy_node()
+    with pytest.raises(C.ParameterError, match="mode = 'warp'"):
+        _Demo(unique_name("demo"), context=rclpy_context, parameter_overrides=[Parameter("mode", value="warp")])
+
+
+def test_sequence_monitor_counts_gaps_and_restarts():
+    m = C.SequenceMonitor()
+    for s in (1, 2, 3, 6, 7):
+        m.update("/a", s)
+    assert m.dropped["/a"] == 2 and m.received["/a"] == 5
+    m.update("/a", 1)          # a restarted publisher
+    m.update("/a", 2)
+    assert m.dropped["/a"] == 2 and m.restarts["/a"] == 1
+    m.update_info("/b", {"publication_sequence_number": None})
+    assert m.total_dropped == 2 and m.received["/b"] == 1
+
+
+def test_rolling_stats():
+    r = C.RollingStats(100)
+    for v in range(1, 201):
+        r.add(v)
+    s = r.summary()
+    assert s["n"] == 200 and s["p50"] == pytest.approx(150.5) and s["max"] == 200

@@ -1,0 +1,198 @@
+"""state_predictor: reference phase lock and motor plans (pure), the linearised horizon against the nonlinear
+engine and against the MuJoCo twin, and the node over real rclpy (predictions, latency, get_linearization).
+
+Stated tolerance: with the twin's (true) parameters, the 1-s predicted node positions match what the twin
+then does within 1 mm (measured ~0.02 mm on the actuated pendulum: the engine and MuJoCo implement the same
+string law)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from rclpy.parameter import Parameter
+
+from conftest import spin_until, unique_name
+from tensegrity_ros.nodes import _common as C
+from tensegrity_ros.nodes.state_predictor import (HorizonPredictor, MotorFuture, MotorPlan, ReferenceTracker,
+                                                  StatePredictorNode)
+
+TOLERANCE_M = 1e-3
+
+
+def u_fn(t):
+    t = np.asarray(t, dtype=float).reshape(-1)
+    return np.stack([0.3 * np.sin(2 * np.pi * t / 3.0), 0.3 * np.cos(2 * np.pi * t / 3.0)], -1)
+
+
+@pytest.fixture(scope="module")
+def twin_run():
+    """The actuated pendulum in the MuJoCo twin: settled, then driven by u_fn; states every 10 ms."""
+    from tensegrity_ros.ident.synthetic import actuated_pendulum
+    from tensegrity_ros.twin.sim import TwinSim
+
+    s = actuated_pendulum()
+    sim = TwinSim(s, timestep=0.001)
+    sim.settle(3.0)
+    t_start = sim.time
+    hist = []
+    for k in range(4000):
+        sim.step(u_fn(sim.time - t_start)[0], 1)
+        if k % 10 == 9:
+            hist.append((sim.time - t_start, sim.node_positions(), sim.node_velocities()))
+    return s, hist
+
+
+def test_reference_tracker_locks_with_lag_and_holds_at_rest():
+    from tensegrity_ros.references import SinusoidReference
+
+    ref = SinusoidReference(period_s=7.0, amplitudes_m=(0.02, 0.01), phases_rad=(0.0, 1.0), offsets_m=(0.0, 0.0),
+                            ramp_in_s=2.0, ramp_out_s=2.0, duration_s=30.0, actuator_names=("m1", "m2"))
+
+    class A:
+        def __init__(self, name):
+            self.name, self.spool_radius, self.direction, self.zero_offset = name, 0.02, 1, 0.1
+
+    acts = (A("m1"), A("m2"))
+    tr = ReferenceTracker.from_reference(ref, acts, ["m2", "m1"])     # motor order differs from the reference
+    start = 1000.0                                                       # the driver's clock: unknown to us
+    lag = 0.06
+    truth = lambda t: tr.reference(np.asarray(t) - start - lag)          # noqa: E731 - measured = lagged ref
+    for t in np.arange(990.0, 1000.0, 0.0125):                           # at rest before the start
+        tr.observe(t, truth([t])[0])
+    assert not tr.update() and not tr.moving and tr.angles([1001.0]) is None
+    for t in np.arange(1000.0, 1006.0, 0.0125):
+        tr.observe(t, truth([t])[0] + np.random.default_rng(int(t * 80)).normal(0, 1e-3, 2))
+    assert tr.update()
+    assert tr.offset == pytest.approx(start + lag, abs=0.01)
+    fut = np.arange(1006.0, 1007.0, 0.1)
+    np.testing.assert_allclose(tr.angles(fut), truth(fut), atol=0.01)
+    for t in np.arange(1006.0, 1009.0, 0.0125):                          # another source: angles stop following
+        tr.observe(t, np.array([0.5, -0.5]))
+    assert not tr.update()
+
+
+def test_motor_future_sources():
+    fut = MotorFuture(["m1", "m2"], "auto", None, plan_timeout_s=0.5)
+    assert fut.angles([0.0]) is None                                    # nothing measured yet
+    fut.observe(10.0, ["m2", "m1"], [0.2, 0.1])
+    np.testing.assert_allclose(fut.angles([10.0, 11.0]), [[0.1, 0.2], [0.1, 0.2]])   # hold
+    plan = MotorPlan(10.0 + np.arange(3) * 0.5, ("m1",), np.array([[0.0], [1.0], [2.0]]), received=10.0)
+    fut.set_plan(plan)
+    np.testing.assert_allclose(fut.angles([10.25, 12.0]), [[0.5, 0.2], [2.0, 0.2]])  # plan, m2 held
+    assert fut.active == "plan"
+    fut.observe(12.0, ["m1", "m2"], [2.0, 0.2])                         # plan over and stale -> hold
+    fut.angles([12.5])
+    assert fut.active == "hold"
+    with pytest.raises(ValueError):
+        MotorFuture(["m1"], "reference", None)
+
+
+def test_linearised_horizon_matches_the_twin(twin_run):
+    s, hist = twin_run
+    hp = HorizonPredictor(s, dt=0.01, jac_stride=5)
+    params = hp.engine.default_params()
+    t0, P0, V0 = hist[100]
+    K = 160
+    lin = hp.linearize(params, t0, hp.initial_state(params, P0, V0), u_fn(t0 + 0.01 * np.arange(K + 1)), K)
+    assert lin.A.shape == (K, hp.n, hp.n) and lin.B.shape == (K, hp.n, 2)
+    for j in (3, 25, 50):                                                # messages after the nominal's start
+        tq, Pq, Vq = hist[100 + j]
+        x = hp.measured_state(s.node_names, Pq, Vq, np.ones(len(Pq), bool))
+        q, v, _ = hp.predict(lin, tq, x, 100, u_fn(tq + 0.01 * np.arange(100)))
+        truth = np.stack([h[1] for h in hist[101 + j:201 + j]])
+        err = np.linalg.norm(hp.full_positions(q) - truth, axis=-1).max()
+        assert err < TOLERANCE_M, f"prediction from t={tq:.2f} s off by {err * 1e3:.3f} mm"
+        motion = np.linalg.norm(truth - truth[0], axis=-1).max()
+        assert motion > 10 * err
+    with pytest.raises(ValueError, match="does not cover"):
+        hp.predict(lin, t0 + 1.0, x, 100)
+
+
+def test_jacobians_equal_finite_differences(twin_run):
+    import torch
+
+    s, hist = twin_run
+    hp = HorizonPredictor(s, dt=0.01, jac_stride=1)
+    params = hp.engine.default_params()
+    t0, P0, V0 = hist[50]
+    x0 = hp.initial_state(params, P0, V0)
+    lin = hp.linearize(params, t0, x0, u_fn(t0 + 0.01 * np.arange(4)), 3)
+    f = hp._step_fn(params)
+    from tensegrity_ros.engine import inputs_from_angles
+    inp = inputs_from_angles(torch.as_tensor(lin.u).unsqueeze(1), 0.01)
+    x = torch.as_tensor(lin.x[1]).unsqueeze(0)
+    u, ud = inp.motor_angles[1], inp.motor_velocities[1]
+    eps = 1e-6
+    with torch.no_grad():
+        base = f(x, u, ud)[0].numpy()
+        for j in (0, 4, hp.n - 1):
+            xp = x.clone()
+            xp[0, j] += eps
+            fd = (f(xp, u, ud)[0].numpy() - base) / eps
+            np.testing.assert_allclose(fd, lin.A[1][:, j], atol=1e-4 * max(1.0, np.abs(fd).max()))
+        up = u.clone()
+        up[0, 1] += eps
+        fd = (f(x, up, ud)[0].numpy() - base) / eps
+        np.testing.assert_allclose(fd, lin.B[1][:, 1], atol=1e-4 * max(1.0, np.abs(fd).max()))
+
+
+def test_predictor_node_roundtrip(rclpy_context, ros_executor, make_node, twin_run, tmp_path):
+    from sensor_msgs.msg import JointState
+    from tensegrity_ros.msg import NodeStates, PredictedStates
+    from tensegrity_ros.model import dump_structure
+    from tensegrity_ros.srv import GetLinearization
+
+    s, hist = twin_run
+    path = tmp_path / "pendulum.yaml"
+    dump_structure(s, path)
+    params = {"model_file": str(path), "worker": "thread", "motor_source": "plan", "relinearize_period_s": 0.3,
+              "diagnostics_period_s": 0.2}
+    node = StatePredictorNode(unique_name("predictor"), context=rclpy_context,
+                              parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+    ros_executor.add_node(node)
+    try:
+        probe = make_node(unique_name("probe"))
+        preds = []
+        probe.create_subscription(PredictedStates, C.TOPICS["predicted_states"], preds.append, C.PREDICTION_QOS)
+        pub_n = probe.create_publisher(NodeStates, C.TOPICS["node_states"], C.STREAM_QOS)
+        pub_m = probe.create_publisher(JointState, C.TOPICS["motor_states"], C.STREAM_QOS)
+        pub_p = probe.create_publisher(JointState, C.TOPICS["motor_plan"], 10)
+        assert spin_until(ros_executor, lambda: probe.count_subscribers(C.TOPICS["node_states"]) >= 1, timeout=5)
+        T0 = 50.0                                                        # stamps: twin time + T0
+        plan_t = np.arange(0.0, 4.0, 0.01)
+        plan = JointState(name=["m1", "m2"], position=u_fn(plan_t).reshape(-1).tolist())
+        plan.header.stamp = C.sec_to_stamp(T0)
+        pub_p.publish(plan)
+        names = s.node_names
+        j = 60
+        while len(preds) < 8 and j < 300:
+            t, P, V = hist[j]
+            pub_m.publish(C.joint_state_to_msg(T0 + t, ["m1", "m2"], u_fn(t)[0]))
+            pub_n.publish(C.node_states_to_msg(T0 + t, names, P, V, np.ones(len(names), bool)))
+            spin_until(ros_executor, lambda: False, timeout=0.02)
+            j += 1
+        assert len(preds) >= 8, "no predictions"
+        pred = C.prediction_from_msg(preds[-1])
+        assert pred.horizon_steps == 100 and pred.dt == 0.01 and pred.parameter_set_id == "nominal"
+        assert pred.node_names == names
+        k0 = int(round((pred.stamp - T0 - hist[0][0]) / 0.01))
+        truth = np.stack([h[1] for h in hist[k0:k0 + 100]])
+        assert hist[k0][0] + T0 == pytest.approx(pred.stamp, abs=1e-6)
+        err = np.linalg.norm(pred.positions - truth, axis=-1).max()
+        assert err < TOLERANCE_M, f"{err * 1e3:.3f} mm"
+        assert node.future.active == "plan"
+        assert node.latency.count >= 8 and node.latency.percentile(50) < 0.05
+
+        cli = probe.create_client(GetLinearization, f"/{node.get_name()}/get_linearization")
+        assert cli.wait_for_service(5)
+        fut = cli.call_async(GetLinearization.Request(max_steps=10))
+        assert spin_until(ros_executor, fut.done, timeout=10)
+        r = fut.result()
+        assert r.success and r.horizon_steps == 10 and r.state_dim == 12 and r.input_dim == 2 and r.dt == 0.01
+        assert len(r.a_matrices) == 10 * 12 * 12 and len(r.b_matrices) == 10 * 12 * 2
+        assert list(r.state_names[:3]) == ["n1.x", "n1.y", "n1.z"] and list(r.input_names) == ["m1.angle",
+                                                                                               "m2.angle"]
+        A = np.array(r.a_matrices).reshape(10, 12, 12)
+        assert np.all(np.isfinite(A)) and np.abs(np.diagonal(A[0]) - 1).max() < 0.5
+    finally:
+        ros_executor.remove_node(node)
+        node.destroy_node()
