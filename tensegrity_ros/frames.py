@@ -7,9 +7,8 @@ and z along the plane normal given by the node order (counter-clockwise seen fro
 z = (c - r) x (a - r) normalised, y = z x x. Relative poses ``iCj = Ci^-1 Cj`` are reported as a position
 and ZYX Euler angles (the seed's Figure 6).
 
-Note: the seed defines the ground frame's x axis toward n2 (and the plates' toward n10 / n22, their first
-node); here every frame points x at the FIRST node given, so ``ground_frame`` uses n1 unless told otherwise
-(``x_node=1`` gives the seed's choice).
+Every frame points x at the FIRST node of its triple; the triples below follow the seed: C0's x axis points
+at n2 (so its triple starts at n2, keeping the counter-clockwise order), C1's at n10 and C2's at n22.
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from typing import Sequence, Tuple
 import numpy as np
 
 #: Node triples of the manipulator's frames (structure node names).
-FRAME_NODES = {"C0": ("n1", "n2", "n3"), "C1": ("n10", "n11", "n12"), "C2": ("n22", "n23", "n24")}
+FRAME_NODES = {"C0": ("n2", "n3", "n1"), "C1": ("n10", "n11", "n12"), "C2": ("n22", "n23", "n24")}
 
 
 def triangle_frame(a, b, c) -> np.ndarray:

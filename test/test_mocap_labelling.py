@@ -8,11 +8,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+
+from tensegrity_ros.frames import FRAME_NODES, frame_from_nodes
 import pytest
 
 from tensegrity_ros.model import CoincidentConstraint, Node, String, load_structure
 from tensegrity_ros.mocap import (AmbiguousMatchError, IngestConfig, LabellerConfig, MarkerLabeller, MocapIngest,
-                                  NoMatchError, SEED_PLATES, ingest_markers, physical_nodes, plate_pose)
+                                  NoMatchError, ingest_markers, physical_nodes)
 
 MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
 RATE = 120.0
@@ -241,7 +243,7 @@ def test_ingest_entry_point(fixed_run):
     assert sample.registered and sample.valid.all() and sample.frame_id == "structure"
     # the icosahedron happens to have nodes named like the seed's C0 (n1..n3) and C1 (n10..n12) plates, not C2
     assert set(sample.plate_poses) == {"C0", "C1"}
-    truth = plate_pose({n: X[0, names.index(n)] for n in names}, SEED_PLATES[0])
+    truth = frame_from_nodes(X[0], names, FRAME_NODES["C0"])
     np.testing.assert_allclose(sample.plate_poses["C0"], truth, atol=3e-3)
     R = sample.plate_poses["C0"][:3, :3]
     np.testing.assert_allclose(R @ R.T, np.eye(3), atol=1e-12)

@@ -66,7 +66,10 @@ def test_manipulator_nominal_frames():
     s = load_structure(MODELS / "stacked_manipulator.yaml")
     p = np.array([n.position for n in s.nodes])
     c0, c1, c2 = F.manipulator_frames(p, s.node_names)
-    np.testing.assert_allclose(c0, np.eye(4), atol=1e-9)  # n1 on +x, ground at the origin
+    # the seed's C0: origin at the ground triangle's centre, x toward n2 (n1 sits on +x, n2 at +120 deg), z up
+    expected = np.eye(4)
+    expected[:3, :3] = F.rotation_zyx([2 * np.pi / 3, 0.0, 0.0])
+    np.testing.assert_allclose(c0, expected, atol=1e-9)
     poses = F.manipulator_relative_poses(p[None].repeat(3, 0), s.node_names)
     assert poses["0C1"].shape == (3, 6)
     # symmetric design: plates level and centred above the base, twisted about z

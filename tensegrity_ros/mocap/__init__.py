@@ -5,13 +5,12 @@
 from .filtering import (ConstantVelocityKF, Derivatives, KalmanConfig, KFOutput, kalman_velocities,
                         smooth_derivatives)
 from .geometry import MarkerTopology, marker_topology, physical_nodes, virtual_nodes
-from .ingest import (SEED_PLATES, IngestConfig, MocapIngest, NodeStateSample, NodeStateSeries, PlateDef,
-                     PlatePoses, ingest_markers, plate_pose)
+from .ingest import IngestConfig, MocapIngest, NodeStateSample, NodeStateSeries, PlatePoses, ingest_markers
 from .labelling import (AmbiguousMatchError, LabelledFrame, LabellerConfig, MarkerLabeller, MocapError,
                         NoMatchError, Registration, register_markers)
 
 __all__ = ["AmbiguousMatchError", "ConstantVelocityKF", "Derivatives", "IngestConfig", "KFOutput", "KalmanConfig",
            "LabelledFrame", "LabellerConfig", "MarkerLabeller", "MarkerTopology", "MocapError", "MocapIngest",
-           "NoMatchError", "NodeStateSample", "NodeStateSeries", "PlateDef", "PlatePoses", "Registration",
-           "SEED_PLATES", "ingest_markers", "kalman_velocities", "marker_topology", "physical_nodes",
-           "plate_pose", "register_markers", "smooth_derivatives", "virtual_nodes"]
+           "NoMatchError", "NodeStateSample", "NodeStateSeries", "PlatePoses", "Registration",
+           "ingest_markers", "kalman_velocities", "marker_topology", "physical_nodes",
+           "register_markers", "smooth_derivatives", "virtual_nodes"]

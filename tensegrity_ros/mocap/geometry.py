@@ -1,7 +1,6 @@
 """Small geometry helpers for the mocap pipeline: rigid fits and the structure's marker topology.
 
-``fit_rigid_transform`` is taken from :mod:`tensegrity_ros.frames` when that module is present (one Kabsch
-implementation for the whole package); the local fallback uses the same convention, ``dst ~ src @ R.T + t``.
+``fit_rigid_transform`` is :func:`tensegrity_ros.frames.fit_rigid_transform` (one Kabsch for the package).
 """
 from __future__ import annotations
 
@@ -10,37 +9,10 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..frames import fit_rigid_transform  # noqa: F401  (re-exported: the labeller's Kabsch)
 from ..model import CoincidentConstraint, MidpointConstraint, Structure
 
 
-def _kabsch(src, dst) -> Tuple[np.ndarray, np.ndarray]:
-    """Least-squares rigid transform (no scaling, no reflection): dst ~ src @ R.T + t; (K,3),(K,3)."""
-    src, dst = np.asarray(src, dtype=float), np.asarray(dst, dtype=float)
-    if src.shape != dst.shape or src.ndim != 2 or src.shape[1] != 3 or src.shape[0] < 3:
-        raise ValueError(f"fit_rigid_transform: need two (K>=3, 3) arrays, got {src.shape} and {dst.shape}")
-    cs, cd = src.mean(axis=0), dst.mean(axis=0)
-    H = (src - cs).T @ (dst - cd)
-    U, _, Vt = np.linalg.svd(H)
-    d = np.sign(np.linalg.det(Vt.T @ U.T)) or 1.0
-    R = Vt.T @ np.diag([1.0, 1.0, d]) @ U.T
-    return R, cd - R @ cs
-
-
-def _shared_kabsch():
-    """``tensegrity_ros.frames.fit_rigid_transform`` when present and of the same convention, else ours."""
-    try:
-        from ..frames import fit_rigid_transform as f  # type: ignore[attr-defined]
-        src = np.array([[0.0, 0, 0], [1, 0, 0], [0, 2, 0], [0, 0, 3]])
-        R0, t0 = _kabsch(src, src[:, [1, 2, 0]] + [0.5, -1.0, 2.0])
-        R, t = f(src, src @ R0.T + t0)
-        if np.allclose(R, R0, atol=1e-9) and np.allclose(np.ravel(t), t0, atol=1e-9):
-            return f
-    except Exception:  # pragma: no cover - depends on what else is in the package
-        pass
-    return _kabsch
-
-
-fit_rigid_transform = _shared_kabsch()
 
 
 def rotation_angle(R: np.ndarray) -> float:

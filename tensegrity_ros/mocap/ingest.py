@@ -17,62 +17,28 @@ from typing import Callable, Dict, Mapping, NamedTuple, Optional, Sequence, Tupl
 
 import numpy as np
 
+from ..frames import FRAME_NODES, triangle_frame
 from ..model import Structure
 from .filtering import ConstantVelocityKF, KalmanConfig, smooth_derivatives
 from .labelling import LabelledFrame, LabellerConfig, MarkerLabeller
 
-__all__ = ["IngestConfig", "NodeStateSample", "NodeStateSeries", "MocapIngest", "ingest_markers", "PlateDef",
-           "SEED_PLATES", "plate_pose", "PlatePoses"]
-
-
-@dataclass(frozen=True)
-class PlateDef:
-    """A plate frame from three nodes (seed Sec. IV): origin r = mean of ``nodes``; x axis towards
-    ``x_node``; z axis along (z_from[0] - r) x (z_from[1] - r); y = z x x."""
-
-    name: str
-    nodes: Tuple[str, str, str]
-    x_node: str
-    z_from: Tuple[str, str]
-
-
-#: The seed's frames: ground C0 (n1, n2, n3), Stage 1 plate C1 (n10..n12), Stage 2 plate C2 (n22..n24).
-SEED_PLATES = (PlateDef("C0", ("n1", "n2", "n3"), "n2", ("n3", "n1")),
-               PlateDef("C1", ("n10", "n11", "n12"), "n10", ("n12", "n10")),
-               PlateDef("C2", ("n22", "n23", "n24"), "n22", ("n24", "n22")))
-
-
-def plate_pose(points: Mapping[str, np.ndarray], plate: PlateDef) -> np.ndarray:
-    """4x4 homogeneous pose of ``plate`` (columns x, y, z, origin) from node positions (3,) by name."""
-    r = np.mean([points[n] for n in plate.nodes], axis=0)
-    x = points[plate.x_node] - r
-    z = np.cross(points[plate.z_from[0]] - r, points[plate.z_from[1]] - r)
-    x, z = x / np.linalg.norm(x), z / np.linalg.norm(z)
-    T = np.eye(4)
-    T[:3, 0], T[:3, 1], T[:3, 2], T[:3, 3] = x, np.cross(z, x), z, r
-    return T
+__all__ = ["IngestConfig", "NodeStateSample", "NodeStateSeries", "MocapIngest", "ingest_markers", "PlatePoses"]
 
 
 class PlatePoses:
-    """Callable (names, positions (N, 3), valid (N,)) -> {plate name: 4x4 pose or None if a node is invalid}.
+    """Callable (names, positions (N, 3), valid (N,)) -> {plate: 4x4 pose, or None if a plate node is invalid}.
 
-    Only plates whose nodes are all marker nodes are reported.
+    The plates are :data:`tensegrity_ros.frames.FRAME_NODES` (the seed's C0, C1, C2); only those whose nodes
+    are all marker nodes are reported.
     """
 
-    def __init__(self, names: Sequence[str], plates: Sequence[PlateDef] = SEED_PLATES):
-        have = set(names)
-        self.plates = tuple(p for p in plates if set(p.nodes) | {p.x_node} | set(p.z_from) <= have)
-        self.index = {n: i for i, n in enumerate(names)}
+    def __init__(self, names: Sequence[str], plates: Mapping[str, Tuple[str, str, str]] = FRAME_NODES):
+        index = {n: i for i, n in enumerate(names)}
+        self.plates = {p: tuple(index[n] for n in triple) for p, triple in plates.items() if set(triple) <= set(index)}
 
     def __call__(self, names, positions, valid) -> Dict[str, Optional[np.ndarray]]:
-        out: Dict[str, Optional[np.ndarray]] = {}
-        for p in self.plates:
-            idx = [self.index[n] for n in p.nodes]
-            if all(valid[i] for i in idx):
-                out[p.name] = plate_pose({n: positions[self.index[n]] for n in p.nodes}, p)
-            else:
-                out[p.name] = None
-        return out
+        return {p: triangle_frame(*(positions[i] for i in idx)) if all(valid[i] for i in idx) else None
+                for p, idx in self.plates.items()}
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import mujoco
 import numpy as np
 
+from ..frames import fit_rigid_transform
 from ..model.schema import Structure
 from .mjcf import DEFAULT_SOLIMP, DEFAULT_SOLREF, TwinLayout, _frame_along, build_layout, build_mjcf
 
@@ -27,16 +28,6 @@ def _rot_to_quat(rot: np.ndarray) -> np.ndarray:
     q = np.empty(4)
     mujoco.mju_mat2Quat(q, np.ascontiguousarray(rot, dtype=float).ravel())
     return q
-
-
-def _kabsch(src: np.ndarray, dst: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """R, t minimising sum |R src_i + t - dst_i|^2 (proper rotation)."""
-    cs, cd = src.mean(0), dst.mean(0)
-    h = (src - cs).T @ (dst - cd)
-    u, _, vt = np.linalg.svd(h)
-    d = np.sign(np.linalg.det(vt.T @ u.T)) or 1.0
-    r = vt.T @ np.diag([1.0, 1.0, d]) @ u.T
-    return r, cd - r @ cs
 
 
 @dataclass
@@ -259,7 +250,7 @@ class TwinSim:
                 vcom = 0.5 * (va + vb)
                 omega = np.cross(axis, vb - va) / np.linalg.norm(b - a)
             else:
-                rot, t = _kabsch(local, world)
+                rot, t = fit_rigid_transform(local, world)
                 com = t
                 r = world - com
                 # v_i = vcom + omega x r_i  ->  [I, -[r_i]x] [vcom; omega] = v_i
