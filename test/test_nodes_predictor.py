@@ -86,13 +86,14 @@ def test_motor_future_sources():
         MotorFuture(["m1"], "reference", None)
 
 
-def test_linearised_horizon_matches_the_twin(twin_run):
+@pytest.mark.parametrize("nominal", ["twin", "engine"])
+def test_linearised_horizon_matches_the_twin(twin_run, nominal):
     s, hist = twin_run
-    hp = HorizonPredictor(s, dt=0.01, jac_stride=5)
+    hp = HorizonPredictor(s, dt=0.01, substeps=5, nominal=nominal, jac_stride=5)
     params = hp.engine.default_params()
     t0, P0, V0 = hist[100]
     K = 160
-    lin = hp.linearize(params, t0, hp.initial_state(params, P0, V0), u_fn(t0 + 0.01 * np.arange(K + 1)), K)
+    lin = hp.linearize(params, t0, P0, V0, u_fn(t0 + 0.01 * np.arange(K + 1)), K)
     assert lin.A.shape == (K, hp.n, hp.n) and lin.B.shape == (K, hp.n, 2)
     for j in (3, 25, 50):                                                # messages after the nominal's start
         tq, Pq, Vq = hist[100 + j]
@@ -111,11 +112,10 @@ def test_jacobians_equal_finite_differences(twin_run):
     import torch
 
     s, hist = twin_run
-    hp = HorizonPredictor(s, dt=0.01, jac_stride=1)
+    hp = HorizonPredictor(s, dt=0.01, substeps=2, nominal="engine", jac_stride=1)
     params = hp.engine.default_params()
     t0, P0, V0 = hist[50]
-    x0 = hp.initial_state(params, P0, V0)
-    lin = hp.linearize(params, t0, x0, u_fn(t0 + 0.01 * np.arange(4)), 3)
+    lin = hp.linearize(params, t0, P0, V0, u_fn(t0 + 0.01 * np.arange(4)), 3)
     f = hp._step_fn(params)
     from tensegrity_ros.engine import inputs_from_angles
     inp = inputs_from_angles(torch.as_tensor(lin.u).unsqueeze(1), 0.01)

@@ -92,7 +92,7 @@ def run(args) -> int:
         raise UserError(f"{args.bag}: identification failed: {result.error}")
     print(result.summary())
 
-    identified = apply_to_structure(structure, result.params, result.std_devs)
+    identified = _checked(apply_to_structure(structure, result.params, result.std_devs), args.bag)
     header = (f"Identified by `tensegrity identify` from {args.bag} ({rec.duration_s:.1f} s); "
               f"residual RMS {result.residual_rms_m * 1e3:.2f} mm; converged={result.converged}.\n"
               f"Values are in place; std_devs holds their standard deviations.")
@@ -101,6 +101,17 @@ def run(args) -> int:
     dump_structure(identified, out, header=header)
     print(f"wrote {out}")
     return 0
+
+
+def _checked(identified, bag):
+    """The identified structure, re-validated like any structure file: unphysical values are refused."""
+    from ..model import StructureError, structure_from_dict, structure_to_dict
+
+    try:
+        return structure_from_dict(structure_to_dict(identified), source=f"identified from {bag}")
+    except StructureError as err:
+        raise UserError(f"{err} -- the data do not determine this value physically; record longer or richer "
+                        "motion, or add the refine stage") from err
 
 
 class _tick:

@@ -44,13 +44,13 @@ A_SADDLE, A_TOP, S_SADDLE, S_TOP = 1, 2, 1, 0
 SHAPE_GUESS = ((0.920815, 1.143879, -2.846613, 0.479796, 2.934707, 0.206805),
                (0.49, 1.143879, -2.846613, 0.25, 2.934707, 0.11))
 #: Tension of each actuated vertical at the nominal equilibrium (N), per stage.
-ACTUATED_TENSION = (400.0, 100.0)
+ACTUATED_TENSION = (800.0, 155.0)
 #: Initial guess of (soft vertical, saddle) tensions (N), per stage.
 TENSION_GUESS = ((147.0, 425.0), (37.0, 106.0))
 #: EA (N) of (actuated vertical, soft vertical incl. its series spring, saddle loop), per stage.
-EA = ((20000.0, 1500.0, 20000.0), (8000.0, 400.0, 8000.0))
+EA = ((20000.0, 8000.0, 20000.0), (8000.0, 3000.0, 8000.0))
 #: Damping zeta (N s/m) of (actuated, soft, saddle), per stage.
-DAMPING = ((10.0, 5.0, 10.0), (4.0, 2.0, 4.0))
+DAMPING = ((500.0, 500.0, 500.0), (150.0, 150.0, 150.0))
 #: Actuators: spool radius (m), direction, zero offset (rad), limits (rad), Dynamixel model, per stage.
 SPOOL_RADIUS = 0.02
 MOTOR_MODELS = ("l54-50-s290-r", "m42-10-s260-r")

@@ -277,23 +277,34 @@ class Linearization:
 
 
 class HorizonPredictor:
-    """Linearised horizon prediction for one structure (nodal engine). See the module docstring.
+    """Linearised horizon prediction for one structure. See the module docstring.
 
-    structure: the model; dt: prediction step, s; integrator: engine integrator; jac_stride: Jacobians are
-    taken every jac_stride steps and interpolated linearly in between (they vary slowly along a smooth
-    nominal); jac_chunk: Jacobian time points per batched evaluation (memory bound).
+    structure: the model; dt: prediction step, s, made of ``substeps`` engine steps (semi-implicit Euler is
+    only stable below a few ms on stiff strings: 2 ms for the manipulator); integrator: engine integrator;
+    nominal: ``twin`` (the nominal rollout runs in the MuJoCo twin built from the current parameters: same
+    string law, ~15x cheaper per second of motion than the batch-1 torch engine) or ``engine`` (the torch
+    engine itself); the Jacobians always come from the engine's autograd. jac_stride: Jacobians every
+    jac_stride prediction steps, interpolated linearly in between; jac_chunk: Jacobian time points per
+    batched evaluation (memory bound).
     """
 
-    def __init__(self, structure: Structure, dt: float = 0.01, integrator: str = "semi_implicit",
-                 device: str = "cpu", jac_stride: int = 1, jac_chunk: int = 64):
+    NOMINALS = ("twin", "engine")
+
+    def __init__(self, structure: Structure, dt: float = 0.01, substeps: int = 5, integrator: str = "semi_implicit",
+                 nominal: str = "engine", jac_stride: int = 1, jac_chunk: int = 64, twin_timestep: float = 0.001):
         import torch
         from ..engine import make_engine
 
+        if nominal not in self.NOMINALS:
+            raise ValueError(f"nominal {nominal!r} (valid: {', '.join(self.NOMINALS)})")
         self.torch = torch
         self.structure = structure
-        self.engine = make_engine(structure, "nodal", integrator, dtype=torch.float64, device=device)
+        self.engine = make_engine(structure, "nodal", integrator, dtype=torch.float64)
         top = self.engine.topology
         self.dt = float(dt)
+        self.substeps = max(1, int(substeps))
+        self.nominal = nominal
+        self.twin_timestep = float(twin_timestep)
         self.node_names = top.node_names
         self.free = np.asarray(top.free_nodes, dtype=int)
         self.free_names = tuple(top.node_names[i] for i in self.free)
@@ -309,6 +320,8 @@ class HorizonPredictor:
         self.state_names = tuple(f"{n}.{a}" for n in self.free_names for a in "xyz") + \
             tuple(f"{n}.v{a}" for n in self.free_names for a in "xyz")
         self.input_names = tuple(f"{a}.angle" for a in self.actuator_names)
+        self._twin = None
+        self._twin_key = None
 
     # ---- helpers -----------------------------------------------------------------------------------
     def full_positions(self, Q: np.ndarray) -> np.ndarray:
@@ -318,21 +331,28 @@ class HorizonPredictor:
     def full_velocities(self, V: np.ndarray) -> np.ndarray:
         return np.einsum("nf,...fj->...nj", self.T, V)
 
+    def split(self, x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(..., n) state -> free-node positions, velocities (..., nf, 3)."""
+        x = np.asarray(x)
+        return x[..., :3 * self.nf].reshape(*x.shape[:-1], self.nf, 3), \
+            x[..., 3 * self.nf:].reshape(*x.shape[:-1], self.nf, 3)
+
     def _step_fn(self, params):
+        """One prediction step (``substeps`` engine steps): f(x (B, n), u, ud (B, A) or None) -> (B, n)."""
         from ..engine.nodal import prepare, step_reduced
 
         eng = self.engine
         c = eng.constants
         der = prepare(c, params)
-        nf, integ, opts, dt = self.nf, eng.integrator, eng.options, self.dt
+        nf, integ, opts, h, n_sub = self.nf, eng.integrator, eng.options, self.dt / self.substeps, self.substeps
 
         def f(x, u, ud):
-            """x: (B, n) node-major [q, v]; u, ud: (B, A) or None -> (B, n)."""
             B = x.shape[0]
             Q = x[:, :3 * nf].reshape(B, nf, 3).mT
             V = x[:, 3 * nf:].reshape(B, nf, 3).mT
-            Q1, V1 = step_reduced(c, der, Q, V, u, ud, None, dt, integ, opts)
-            return self.torch.cat([Q1.mT.reshape(B, -1), V1.mT.reshape(B, -1)], dim=1)
+            for _ in range(n_sub):
+                Q, V = step_reduced(c, der, Q, V, u, ud, None, h, integ, opts)
+            return self.torch.cat([Q.mT.reshape(B, -1), V.mT.reshape(B, -1)], dim=1)
 
         return f
 
@@ -348,28 +368,75 @@ class HorizonPredictor:
         return np.concatenate([q.reshape(-1), v.reshape(-1)])
 
     # ---- the nominal and its Jacobians --------------------------------------------------------------------
-    def linearize(self, params, t0: float, x0: np.ndarray, u: Optional[np.ndarray], steps: int,
-                  set_id: str = "") -> Linearization:
-        """Roll out ``steps`` steps from state x0 (n,) at t0 with motor angles u (steps+1, A) (None: no
-        actuators / zero), then A_k, B_k by forward-mode autograd, batched over k and tangents."""
+    def _motor_inputs(self, u: Optional[np.ndarray], steps: int):
         torch = self.torch
-        t_start = time.perf_counter()
-        from ..engine import inputs_from_angles
-        f = self._step_fn(params)
-        A_ = self.n_u
-        if A_ and u is None:
+        if not self.n_u:
+            return None, None
+        if u is None:
             raise ValueError("motor angles are needed for an actuated structure")
+        from ..engine import inputs_from_angles
+        U = torch.as_tensor(np.asarray(u, dtype=float)[: steps + 1]).unsqueeze(1)              # (K+1, 1, A)
+        inp = inputs_from_angles(U, self.dt)
+        return inp.motor_angles[:, 0], inp.motor_velocities[:, 0]                                # (K+1, A)
+
+    def _nominal_engine(self, params, x0: np.ndarray, Us, Uds, steps: int):
+        torch = self.torch
+        f = self._step_fn(params)
         with torch.no_grad():
-            if A_:
-                U = torch.as_tensor(np.asarray(u, dtype=float)[: steps + 1]).unsqueeze(1)   # (K+1, 1, A)
-                inp = inputs_from_angles(U, self.dt)
-                Us, Uds = inp.motor_angles[:, 0], inp.motor_velocities[:, 0]                 # (K+1, A)
             xs = [torch.as_tensor(x0).unsqueeze(0)]
             for k in range(steps):
-                xs.append(f(xs[-1], Us[k:k + 1] if A_ else None, Uds[k:k + 1] if A_ else None))
-            X = torch.cat(xs)                                                                 # (K+1, n)
+                xs.append(f(xs[-1], None if Us is None else Us[k:k + 1], None if Uds is None else Uds[k:k + 1]))
+        return torch.cat(xs)
+
+    def _nominal_twin(self, params, P: np.ndarray, V: np.ndarray, Us, Uds, steps: int):
+        """The nominal from the MuJoCo twin of the current parameters; motors interpolated linearly over
+        each prediction step. Returns states (K+1, n)."""
+        from ..engine import apply_to_structure
+        from ..twin.sim import TwinSim
+
+        key = tuple(float(v) for v in self.torch.cat([getattr(params, k).reshape(-1) for k in params.kinds()]))
+        if self._twin is None or key != self._twin_key:
+            self._twin = TwinSim(apply_to_structure(self.structure, params), timestep=self.twin_timestep)
+            self._twin_key = key
+        sim = self._twin
+        sim.reset()
+        sim.set_node_state(P, V)
+        n_sub = max(1, int(round(self.dt / sim.dt)))
+        u = None if Us is None else Us.numpy()
+        ud = None if Uds is None else Uds.numpy()
+        if u is not None:
+            sim.set_motor_angles(u[0], ud[0])
+        out = np.empty((steps + 1, self.n))
+        P1, V1 = sim.node_positions(), sim.node_velocities()
+        out[0] = np.concatenate([P1[self.free].reshape(-1), V1[self.free].reshape(-1)])
+        for k in range(steps):
+            for j in range(n_sub):
+                if u is not None:
+                    w = j / n_sub
+                    sim.step((1 - w) * u[k] + w * u[k + 1], 1, (1 - w) * ud[k] + w * ud[k + 1])
+                else:
+                    sim.step(None, 1)
+            P1, V1 = sim.node_positions(), sim.node_velocities()
+            out[k + 1] = np.concatenate([P1[self.free].reshape(-1), V1[self.free].reshape(-1)])
+        return self.torch.as_tensor(out)
+
+    def linearize(self, params, t0: float, positions: np.ndarray, velocities: np.ndarray, u: Optional[np.ndarray],
+                  steps: int, set_id: str = "") -> Linearization:
+        """The nominal over ``steps`` prediction steps from full-node positions / velocities (N, 3) at t0
+        (consistent with the linear constraints, e.g. from :meth:`full_positions`) with motor angles u
+        (steps+1, A) (None without actuators), then A_k, B_k of the engine step by forward-mode autograd,
+        batched over time points and tangents."""
+        torch = self.torch
+        t_start = time.perf_counter()
+        Us, Uds = self._motor_inputs(u, steps)
+        A_ = self.n_u
+        if self.nominal == "twin":
+            X = self._nominal_twin(params, positions, velocities, Us, Uds, steps)
+        else:
+            X = self._nominal_engine(params, self.initial_state(params, positions, velocities), Us, Uds, steps)
         if not torch.all(torch.isfinite(X)):
             raise FloatingPointError("nominal rollout diverged (non-finite states)")
+        f = self._step_fn(params)
         # Jacobians at every jac_stride-th step (and the last), linearly interpolated in between
         ks = np.unique(np.r_[np.arange(0, steps, self.jac_stride), steps - 1])
         Js = np.empty((ks.size, self.n, self.n + A_))
@@ -395,9 +462,8 @@ class HorizonPredictor:
             w = ((np.arange(steps) - ks[j]) / (ks[j + 1] - ks[j]))[:, None, None]
             J = (1.0 - w) * Js[j] + w * Js[j + 1]
         Amat, Bmat = J[:, :, :self.n], J[:, :, self.n:]
-        Xn = X.numpy()
         Un = Us.numpy() if A_ else np.zeros((steps + 1, 0))
-        return Linearization(t0=float(t0), dt=self.dt, x=Xn, u=Un, A=Amat, B=Bmat, set_id=set_id,
+        return Linearization(t0=float(t0), dt=self.dt, x=X.numpy(), u=Un, A=Amat, B=Bmat, set_id=set_id,
                              compute_s=time.perf_counter() - t_start)
 
     # ---- per message ----------------------------------------------------------------------------------------
@@ -449,17 +515,6 @@ class HorizonPredictor:
                 v[j] = velocities[i]
         return np.concatenate([q.reshape(-1), v.reshape(-1)])
 
-    def full_from_record(self, names, positions, velocities, valid) -> Tuple[np.ndarray, np.ndarray]:
-        """(N, 3) positions / velocities of all structure nodes from a record (NaN where unknown)."""
-        idx = {n: i for i, n in enumerate(names)}
-        P = np.full((len(self.node_names), 3), np.nan)
-        V = np.full((len(self.node_names), 3), np.nan)
-        for j, name in enumerate(self.node_names):
-            i = idx.get(name)
-            if i is not None and valid[i]:
-                P[j], V[j] = positions[i], velocities[i]
-        return P, V
-
 
 # =====================================================================================================
 # the relinearisation job (runs in the worker: a spawned process by default)
@@ -467,17 +522,15 @@ class HorizonPredictor:
 _WORKER_CORES: Dict[int, HorizonPredictor] = {}
 
 
-def relinearize_job(key: int, structure: Structure, dt: float, integrator: str, jac_stride: int,
-                    values: Dict[str, float], t0: float, P: np.ndarray, V: np.ndarray, u: Optional[np.ndarray],
-                    steps: int, set_id: str) -> Linearization:
+def relinearize_job(key: int, structure: Structure, options: Dict[str, object], values: Dict[str, float], t0: float,
+                    P: np.ndarray, V: np.ndarray, u: Optional[np.ndarray], steps: int, set_id: str) -> Linearization:
     """Nominal + Jacobians from full-node positions / velocities (N, 3) at t0 with parameter values by name.
-    The predictor core is built once per worker (``key``)."""
+    The predictor core (``HorizonPredictor(structure, **options)``) is built once per worker (``key``)."""
     core = _WORKER_CORES.get(key)
     if core is None:
-        core = _WORKER_CORES[key] = HorizonPredictor(structure, dt=dt, integrator=integrator, jac_stride=jac_stride)
+        core = _WORKER_CORES[key] = HorizonPredictor(structure, **options)
     params = core.engine.default_params().with_values(values)
-    x0 = core.initial_state(params, P, V)
-    return core.linearize(params, t0, x0, u, steps, set_id)
+    return core.linearize(params, t0, P, V, u, steps, set_id)
 
 
 # =====================================================================================================
@@ -493,6 +546,10 @@ PARAMS = (
               range=(0.02, 60.0)),
     ParamSpec("nominal_margin_s", 1.0, "nominal horizon beyond horizon_s (covers the refresh period and "
               "its compute time) [s]", range=(0.05, 60.0), read_only=True),
+    ParamSpec("substeps", 5, "engine steps per prediction step (semi-implicit Euler needs ~2 ms on the "
+              "manipulator's stiff strings)", range=(1, 1000), read_only=True),
+    ParamSpec("nominal", "twin", "nominal rollout: twin (MuJoCo model of the current parameters) | engine",
+              choices=HorizonPredictor.NOMINALS, read_only=True),
     ParamSpec("jac_stride", 5, "Jacobians every n prediction steps, interpolated in between", range=(1, 100),
               read_only=True),
     ParamSpec("motor_source", "auto", "future motor angles: auto | plan | reference | hold",
@@ -525,8 +582,9 @@ class StatePredictorNode(C.GraphNode):
         p = self.p
         torch.set_num_threads(p["torch_threads"])
         self.structure = load_structure(p["model_file"])
-        self.core = HorizonPredictor(self.structure, dt=p["dt"], integrator=p["integrator"],
-                                     jac_stride=p["jac_stride"])
+        self.core_options = {"dt": p["dt"], "substeps": p["substeps"], "integrator": p["integrator"],
+                             "nominal": p["nominal"], "jac_stride": p["jac_stride"]}
+        self.core = HorizonPredictor(self.structure, **self.core_options)
         self.steps = max(1, int(round(p["horizon_s"] / p["dt"])))
         self.nominal_steps = self.steps + max(2, int(math.ceil(p["nominal_margin_s"] / p["dt"])))
         self.params = self.core.engine.default_params()
@@ -655,23 +713,23 @@ class StatePredictorNode(C.GraphNode):
         core = self.core
         self.future.update()
         t0 = rec.stamp
-        P, V = core.full_from_record(rec.names, rec.positions, rec.velocities, rec.valid)
+        x = core.measured_state(rec.names, rec.positions, rec.velocities, rec.valid)
         lin = self._lin
         if lin is not None and core.covers(lin, t0, 0):   # unseen nodes: from the current nominal
             i = min(int(round((t0 - lin.t0) / lin.dt)), lin.steps)
-            xq = lin.x[i, :3 * core.nf].reshape(core.nf, 3)
-            xv = lin.x[i, 3 * core.nf:].reshape(core.nf, 3)
-            Pn, Vn = core.full_positions(xq), core.full_velocities(xv)
-            P = np.where(np.isfinite(P), P, Pn)
-            V = np.where(np.isfinite(V), V, Vn)
+            x = np.where(np.isfinite(x), x, lin.x[i])
+        q, v = core.split(x)
+        q = np.where(np.isfinite(q), q, core.X0[core.free])
+        v = np.where(np.isfinite(v), v, 0.0)
+        P, V = core.full_positions(q), core.full_velocities(v)   # dependent nodes from the free ones
         K = self.nominal_steps
         u = self.future.angles(t0 + core.dt * np.arange(K + 1)) if core.n_u else None
         if core.n_u and u is None:
             return   # no motor state yet
         t_start = time.perf_counter()
         values = {n: float(v) for n, v in params.named().items()}
-        new = self._pool.submit(relinearize_job, self._key, self.structure, core.dt, self.p["integrator"],
-                                self.p["jac_stride"], values, t0, P, V, u, K, set_id).result()
+        new = self._pool.submit(relinearize_job, self._key, self.structure, self.core_options, values, t0, P, V, u,
+                                K, set_id).result()
         self.lin_time.add(time.perf_counter() - t_start)
         self._lin = new
 

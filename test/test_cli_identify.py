@@ -1,0 +1,135 @@
+"""`tensegrity simulate --bag` and `tensegrity identify` as a user runs them, including bad recordings.
+
+Every bad recording exits with code 2, names the problem, and writes nothing.
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tensegrity_ros.bags import (JOINT_STATE, POSE_ARRAY, JointSeries, MarkerSeries, TopicNames, read_robot_bag,
+                                 write_robot_bag)
+from tensegrity_ros.cli import main
+from tensegrity_ros.model import dump_structure, load_structure
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIPULATOR = ROOT / "config" / "models" / "stacked_manipulator.yaml"
+SHORT_REF = ROOT / "config" / "references" / "seed_sinusoids_short.yaml"
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A 6-s recording of a 'true' robot 10% off the nominal model, as it would come off the robot."""
+    out = tmp_path_factory.mktemp("sim")
+    rc = main(["simulate", str(MANIPULATOR), "--duration", "6", "--out", str(out), "--bag", str(out / "bag"),
+               "--reference", str(SHORT_REF), "--perturb", "0.1", "--noise-mm", "0.3", "--occlusion", "0.02",
+               "--seed", "3"])
+    assert rc == 0
+    return out
+
+
+def test_simulate_writes_trajectories_plots_and_a_readable_bag(recorded):
+    for name in ("trajectory.npz", "plates.csv", "plates.png", "summary.json", "true_model.yaml"):
+        assert (recorded / name).is_file(), name
+    rec = read_robot_bag(recorded / "bag")
+    assert rec.motor_names == tuple(f"m{i}" for i in range(1, 7))
+    assert 75 < len(rec.motor_times) / rec.duration_s < 85          # 80 Hz motors
+    assert 115 < len(rec.marker_times) / rec.duration_s < 125       # 120 Hz mocap
+    sizes = [len(m) for m in rec.markers]
+    assert max(sizes) == 24 and min(sizes) < 24                      # unlabeled physical nodes, some occluded
+    # the mocap frame is Y-up: the ground nodes sit at mocap y ~ 0, the top plate ~1.4 m up along y
+    pts = np.concatenate(rec.markers)
+    assert abs(pts[:, 1].min()) < 0.02 and pts[:, 1].max() > 1.2
+
+
+def test_identify_writes_a_valid_structure_file_and_a_report(recorded, tmp_path):
+    out, report = tmp_path / "params.yaml", tmp_path / "report"
+    rc = main(["identify", str(recorded / "bag"), "--model", str(MANIPULATOR), "--out", str(out),
+               "--report", str(report), "--max-iter", "3", "--window", "0.2"])
+    assert rc == 0
+    identified = load_structure(out)                                 # a valid structure file
+    assert main(["validate", str(out)]) == 0
+    names = {k for k, _ in identified.std_devs}
+    assert {"sc1.stiffness", "b1.mass"} <= names
+    assert all(np.isfinite(v) and v >= 0 for _, v in identified.std_devs)
+    for name in ("plates.png", "residuals.png", "convergence.png", "parameters.txt", "summary.json"):
+        assert (report / name).is_file(), name
+
+
+def _run_bad(tmp_path, bag, model=MANIPULATOR, capsys=None):
+    out = tmp_path / "params.yaml"
+    rc = main(["identify", str(bag), "--model", str(model), "--out", str(out), "--report", str(tmp_path / "rep"),
+               "--max-iter", "2"])
+    assert rc == 2
+    assert not out.exists() and not (tmp_path / "rep").exists()      # nothing written half-way
+    return capsys.readouterr().err if capsys else ""
+
+
+def _rewrite(src: Path, dst: Path, *, t_max=None, markers=None, topics=TopicNames(), extra=None):
+    """A new bag from a recording: optionally cut at ``t_max`` s, other markers, renamed or extra topics."""
+    rec = read_robot_bag(src)
+    t_max = np.inf if t_max is None else rec.motor_times[0] + t_max
+    km, kk = rec.motor_times < t_max, rec.marker_times < t_max
+    mk = markers if markers is not None else [m for m, keep in zip(rec.markers, kk) if keep]
+    write_robot_bag(dst, motor_states=JointSeries(rec.motor_times[km], rec.motor_names, rec.motor_angles[km]),
+                    markers=MarkerSeries(rec.marker_times[kk][:len(mk)], mk), topics=topics, extra_topics=extra)
+    return dst
+
+
+def test_missing_topic(recorded, tmp_path, capsys):
+    bag = _rewrite(recorded / "bag", tmp_path / "bag", topics=TopicNames(markers="/optitrack/markers"))
+    err = _run_bad(tmp_path, bag, capsys=capsys)
+    assert "/mocap/markers" in err and "missing" in err.lower()
+
+
+def test_topic_of_the_wrong_type(recorded, tmp_path, capsys):
+    wrong = {"/mocap/markers": (JOINT_STATE, [(0.01 * k, {"header": {"stamp": 0.01 * k}, "name": ["x"],
+                                                          "position": [0.0]}) for k in range(1, 50)])}
+    bag = _rewrite(recorded / "bag", tmp_path / "bag", topics=TopicNames(markers="/optitrack/markers"), extra=wrong)
+    err = _run_bad(tmp_path, bag, capsys=capsys)
+    assert "/mocap/markers" in err and POSE_ARRAY in err and JOINT_STATE in err
+
+
+def test_bag_too_short(recorded, tmp_path, capsys):
+    bag = _rewrite(recorded / "bag", tmp_path / "bag", t_max=0.3)
+    err = _run_bad(tmp_path, bag, capsys=capsys)
+    assert "short" in err.lower()
+
+
+def test_markers_that_never_match_the_structure(recorded, tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    junk = [rng.uniform(-2, 2, (24, 3)) for _ in range(len(read_robot_bag(recorded / "bag").markers))]
+    err = _run_bad(tmp_path, _rewrite(recorded / "bag", tmp_path / "bag", markers=junk), capsys=capsys)
+    assert "never match" in err or "no marker frame matched" in err
+
+
+def test_truncated_file(recorded, tmp_path, capsys):
+    bag = tmp_path / "bag"
+    shutil.copytree(recorded / "bag", bag)
+    data = next(bag.glob("*.mcap"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    err = _run_bad(tmp_path, bag, capsys=capsys)
+    assert str(bag) in err or data.name in err
+
+
+def test_model_actuators_not_in_the_bag(recorded, tmp_path, capsys):
+    s = load_structure(MANIPULATOR)
+    renamed = {a.name: f"motor_{a.motor_id}" for a in s.actuators}
+    s2 = replace(s, actuators=tuple(replace(a, name=renamed[a.name]) for a in s.actuators),
+                 strings=tuple(replace(st, actuator=renamed.get(st.actuator)) if st.actuator else st
+                               for st in s.strings))
+    model = tmp_path / "renamed.yaml"
+    dump_structure(s2, model)
+    err = _run_bad(tmp_path, recorded / "bag", model=model, capsys=capsys)
+    assert "motor_1" in err
+
+
+def test_bad_model_file_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nnodes: [{name: a, position: [0, 0, 0]}]\nbars: []\nstrings: []\n")
+    assert main(["validate", str(bad)]) == 2
+    assert "nodes[0]" in capsys.readouterr().err
