@@ -91,3 +91,37 @@ def test_drive_amplitudes_within_limits(s):
         assert a.limits[0] < -1.5 * angle and 1.5 * angle < a.limits[1]
     assert all(a.zero_offset == 0.0 and a.direction == 1 for a in s.actuators)
     assert "ASSUMED" in s.description and "Form-finding" in s.notes and math.isfinite(len(s.notes))
+
+
+def test_seed_drive_is_smooth_periodic_and_taut(s):
+    """Full seed drive on the twin: 2 s ramp + 2 periods; period 2 repeats period 1, little energy above 1 Hz,
+    every string keeps > 10% of its rest tension, motor torques stay plausible."""
+    from tensegrity_ros.frames import manipulator_relative_poses
+    from tensegrity_ros.references import load_reference, motor_angles
+    from tensegrity_ros.twin import simulate
+
+    ref = load_reference(PATH.parents[1] / "references" / "seed_sinusoids.yaml", s.actuators)
+    hz, period, ramp = 60, 7.0, 2.0
+    traj = simulate(s, lambda t: motor_angles(ref, s.actuators, np.atleast_1d(t))[0], ramp + 2 * period,
+                    record_hz=hz, timestep=0.001, progress=False)
+    x = np.array([n.position for n in s.nodes[:24]])
+    lengths, _ = gen._lengths_grads(x, gen.string_paths(x))
+    rest_tension = np.array([st.stiffness * (L - st.rest_length) for st, L in zip(s.strings, lengths)])
+    assert (traj.tensions.min(0) > 0.1 * rest_tension).all()
+    act = [i for i, st in enumerate(s.strings) if st.actuator]
+    torque = traj.tensions[:, act].max(0) * np.array([a.spool_radius for a in s.actuators])
+    assert (torque[:3] < 25.0).all() and (torque[3:] < 4.0).all()
+    poses = manipulator_relative_poses(traj.positions, s.node_names)
+    k0, n = int(ramp * hz), int(period * hz)
+    for key in ("0C1", "0C2"):
+        p = np.asarray(poses[key])
+        p1, p2 = p[k0:k0 + n, :3], p[k0 + n:k0 + 2 * n, :3]
+        diff = np.linalg.norm(p1 - p2, axis=1)
+        assert diff.max() < 0.012 and np.sqrt((diff ** 2).mean()) < 0.003  # m: single-valued in drive phase
+        assert np.degrees(np.abs(p[k0:k0 + n, 3:] - p[k0 + n:k0 + 2 * n, 3:]).max()) < 1.5
+        q = p[k0:, :3] - p[k0:, :3].mean(0)
+        power = (np.abs(np.fft.rfft(q, axis=0)) ** 2).sum(1)
+        freq = np.fft.rfftfreq(len(q), 1.0 / hz)
+        assert power[freq > 1.0].sum() < 0.05 * power[1:].sum()
+        excursion = (p[k0:, :3].max(0) - p[k0:, :3].min(0)) / 2
+        assert 0.01 < excursion[:2].max() < 0.15  # tens of mm, not hundreds

@@ -66,7 +66,8 @@ class RefineOptions:
     total_mass: scale anchor when only ratios are identifiable (default: the starting total moving mass).
     estimate_delay / delay_s: the motor-to-mocap delay (motor angles used at t - delay), s, and its start.
     window_s / stride_s / max_windows: multiple-shooting windows (length, spacing, cap; evenly spread).
-    sim_dt: engine step, s (default: the sampling period divided into steps <= max_sim_dt).
+    sim_dt: engine step, s (default: the median sampling period divided into steps <= max_sim_dt); the
+        predictions are interpolated linearly between steps at the (possibly irregular) sample times.
     optimize_initial_states: per-window initial position/velocity offsets are optimised too.
     continuity_weight: weight of the window-to-window continuity penalty (needs contiguous windows).
     prior_weight: weight of |z - z_start|^2 on the free unconstrained parameters (regularisation).
@@ -263,14 +264,11 @@ class RefineProblem:
     def _build_windows(self, datasets: Sequence[Dataset]) -> None:
         opts, top = self.opts, self.top
         dt_obs = float(np.median([d.dt for d in datasets]))
-        if any(abs(d.dt - dt_obs) > 1e-6 * dt_obs for d in datasets):
-            raise DataError("refine: all datasets need the same sampling period")
         self.dt_obs = dt_obs
         if opts.sim_dt is not None:
-            nsub = max(1, int(round(dt_obs / opts.sim_dt)))
+            self.sim_dt = float(opts.sim_dt)
         else:
-            nsub = max(1, int(math.ceil(dt_obs / opts.max_sim_dt - 1e-9)))
-        self.nsub, self.sim_dt = nsub, dt_obs / nsub
+            self.sim_dt = dt_obs / max(1, int(math.ceil(dt_obs / opts.max_sim_dt - 1e-9)))
         H = max(1, int(round(opts.window_s / dt_obs)))
         stride = H if opts.stride_s is None else max(1, int(round(opts.stride_s / dt_obs)))
         self.H = H
@@ -281,7 +279,7 @@ class RefineProblem:
             obs = np.array([top.node_names.index(n) for n in opts.observed_nodes], dtype=int)
         self.obs_idx = obs
         A = top.n_actuators
-        X0, V0, tgt, msk, U, Uts, F, Fc, Arm, wid = [], [], [], [], [], [], [], [], [], []
+        X0, V0, tgt, msk, U, Uts, F, Fc, Arm, wid, rel = [], [], [], [], [], [], [], [], [], [], []
         pad_before = int(math.ceil(0.2 / dt_obs)) + 2   # delays up to 0.2 s
         M = H + pad_before + 3
         for di, d in enumerate(datasets):
@@ -306,11 +304,16 @@ class RefineProblem:
                 V0.append(vel[s])
                 tgt.append(np.where(v[..., None], d.positions[s + 1:s + 1 + H][:, obs], 0.0))
                 msk.append(v)
+                rel.append(d.times[s:s + 1 + H] - d.times[s])
                 if A and d.motor_angles is not None:
-                    idx = np.clip(np.arange(s - pad_before, s - pad_before + M), 0, d.n_samples - 1)
+                    ii = np.arange(s - pad_before, s - pad_before + M)
+                    idx = np.clip(ii, 0, d.n_samples - 1)
                     U.append(d.motor_angles[idx])
-                    Uts.append(d.times[s] - d.times[idx[0]] if s - pad_before >= 0 else
-                               d.times[s] - (d.times[0] - (pad_before - s) * dt_obs))
+                    # sample times, extrapolated uniformly outside the record (constant angles there)
+                    tt = np.where(ii < 0, d.times[0] + ii * dt_obs,
+                                  np.where(ii >= d.n_samples, d.times[-1] + (ii - d.n_samples + 1) * dt_obs,
+                                           d.times[idx]))
+                    Uts.append(tt - d.times[s])
                 if d.external_forces is not None:
                     F.append(d.external_forces[s:s + H])
                 if d.control_forces is not None:
@@ -323,7 +326,7 @@ class RefineProblem:
         if opts.max_windows is not None and len(X0) > opts.max_windows:
             pick = np.unique(np.linspace(0, len(X0) - 1, opts.max_windows).round().astype(int))
             sel = lambda L: [L[i] for i in pick] if L else L  # noqa: E731
-            X0, V0, tgt, msk, U, Uts, F, Fc, Arm, wid = map(sel, (X0, V0, tgt, msk, U, Uts, F, Fc, Arm, wid))
+            X0, V0, tgt, msk, U, Uts, F, Fc, Arm, wid, rel = map(sel, (X0, V0, tgt, msk, U, Uts, F, Fc, Arm, wid, rel))
         t = lambda x: torch.as_tensor(np.asarray(x), dtype=self.dtype, device=self.device)  # noqa: E731
         X0 = np.nan_to_num(np.stack(X0))
         V0 = np.nan_to_num(np.stack(V0))
@@ -333,11 +336,21 @@ class RefineProblem:
         self.n_obs = int(self.mask.sum())
         self.window_ids = wid
         self.B_win = len(wid)
+        # sample times relative to each window start -> fractional engine steps (irregular stamps are fine)
+        rel = np.stack(rel)                                     # (B, H + 1)
+        self.n_steps = int(math.ceil(rel[:, -1].max() / self.sim_dt - 1e-6))
+        self.f_steps = t(rel[:, 1:] / self.sim_dt)              # (B, H) fractional step index of each target
+        # sample index in force at each step (zero-order hold of external/control forces)
+        k_t = np.arange(self.n_steps) * self.sim_dt
+        self.hold_idx = torch.as_tensor(np.stack([np.clip(np.searchsorted(r, k_t + 1e-9, side="right") - 1, 0, H - 1)
+                                                  for r in rel]), device=self.device)   # (B, n_steps)
         if U:
             self.U = t(np.stack(U))                             # (B, M, A)
-            self.U_t0 = t(np.array(Uts))                        # (B,) time from the first motor sample to the start
+            self.U_t = t(np.stack(Uts))                         # (B, M) motor sample times rel. to the start
+            self.U_t0 = self.U_t[:, 0]
         else:
             self.U = None
+            self.U_t = None
         self.Fext = t(np.stack(F)) if F else None               # (B, H, N, 3)
         self.Fc = t(np.stack(Fc)) if Fc else None
         self.Arm = t(np.stack(Arm)) if Arm else None
@@ -349,7 +362,7 @@ class RefineProblem:
         import copy
         sub = copy.copy(self)
         ii = torch.as_tensor(list(idx), device=self.device, dtype=torch.long)
-        for name in ("X0m", "V0m", "targets", "mask", "U", "U_t0", "Fext", "Fc", "Arm"):
+        for name in ("X0m", "V0m", "targets", "mask", "U", "U_t", "U_t0", "Fext", "Fc", "Arm", "f_steps", "hold_idx"):
             v = getattr(self, name)
             if v is not None:
                 setattr(sub, name, v.index_select(0, ii))
@@ -392,36 +405,49 @@ class RefineProblem:
 
     # ---------------------------------------------------------------------------------------------
     def _inputs(self, delay: torch.Tensor, copies: int = 1) -> Optional[Inputs]:
-        """Engine inputs (T_sim, C*B, ...) for ``copies`` parameter copies; delay: () or (C,) s."""
-        n = self.H * self.nsub
+        """Engine inputs (n_steps, C*B, ...) for ``copies`` parameter copies; delay: () or (C,) s.
+
+        Motor angles are linearly interpolated at (step start time - delay) between the recorded samples
+        (irregular stamps allowed); their rate is the slope of that segment. Forces are held per sample.
+        """
+        n = self.n_steps
         h = self.sim_dt
         C = copies
         kw = {}
         if self.U is not None:
             steps = torch.arange(n, dtype=self.dtype, device=self.device) * h
-            U, t0 = self.U, self.U_t0
+            U, Ut = self.U, self.U_t
             if C > 1:
                 U = U.repeat(C, 1, 1)
-                t0 = t0.repeat(C)
+                Ut = Ut.repeat(C, 1)
                 d = delay.reshape(C, 1).repeat_interleave(self.B_win, dim=0)          # (C*B, 1)
             else:
                 d = delay.reshape(-1)[:1].reshape(1, 1) if delay.dim() else delay
-            tau = (t0[:, None] + steps[None, :] - d) / self.dt_obs                    # (CB, n) motor samples
+            tau = steps[None, :] - d                                                  # (CB, n) query times
             M = U.shape[1]
-            i0 = torch.clamp(torch.floor(tau.detach() if not _is_dual(tau) else _primal(tau)), 0, M - 2).long()
-            frac = tau - i0.to(self.dtype)
+            tq = _primal(tau) if _is_dual(tau) else tau.detach()
+            i0 = torch.clamp(torch.searchsorted(Ut.contiguous(), tq.expand(Ut.shape[0], -1).contiguous(),
+                                                right=True) - 1, 0, M - 2)
+            ta = torch.gather(Ut, 1, i0)
+            tb = torch.gather(Ut, 1, i0 + 1)
+            frac = (tau - ta) / (tb - ta)
             Ua = torch.gather(U, 1, i0[..., None].expand(-1, -1, U.shape[2]))
             Ub = torch.gather(U, 1, (i0 + 1)[..., None].expand(-1, -1, U.shape[2]))
             u = Ua + frac[..., None] * (Ub - Ua)
-            ud = (Ub - Ua) / self.dt_obs
+            ud = (Ub - Ua) / (tb - ta)[..., None]
             kw["motor_angles"] = u.transpose(0, 1)
             kw["motor_velocities"] = ud.transpose(0, 1)
-        rep = lambda x: x.repeat(C, *([1] * (x.dim() - 1))).repeat_interleave(self.nsub, dim=1).transpose(0, 1)  # noqa
+
+        def hold(x):                                      # (B, H, ...) -> (n, C*B, ...)
+            idx = self.hold_idx.reshape(self.B_win, n, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+            y = torch.gather(x, 1, idx)
+            return y.repeat(C, *([1] * (y.dim() - 1))).transpose(0, 1)
+
         if self.Fext is not None:
-            kw["external_forces"] = rep(self.Fext)
+            kw["external_forces"] = hold(self.Fext)
         if self.Fc is not None:
-            kw["control_forces"] = rep(self.Fc)
-            kw["control_arms"] = rep(self.Arm)
+            kw["control_forces"] = hold(self.Fc)
+            kw["control_arms"] = hold(self.Arm)
         return Inputs(**kw) if kw else None
 
     def _free_selector(self) -> torch.Tensor:
@@ -452,10 +478,17 @@ class RefineProblem:
         if hasattr(self.engine, "project"):
             st = self.engine.project(params, st, iters=2)
         inp = self._inputs(delay, C)
-        n = self.H * self.nsub
+        n = self.n_steps
         out = self.engine.rollout(params, st, inp, dt=self.sim_dt, steps=None if inp is not None else n)
-        pos = out.positions[self.nsub - 1::self.nsub]                  # (H, CB, N, 3)
-        pred = pos.index_select(2, torch.as_tensor(self.obs_idx, device=self.device)).transpose(0, 1)
+        obs = torch.as_tensor(self.obs_idx, device=self.device)
+        seq = torch.cat([st.positions.index_select(-2, obs).unsqueeze(0),
+                         out.positions.index_select(-2, obs)]).transpose(0, 1)        # (CB, n + 1, No, 3)
+        f = self.f_steps.repeat(C, 1) if C > 1 else self.f_steps                       # (CB, H)
+        k0 = torch.clamp(torch.floor(f + 1e-9), 0, n - 1).long()
+        wgt = (f - k0.to(f.dtype)).clamp(0.0, 1.0)[..., None, None]
+        ga = torch.gather(seq, 1, k0[..., None, None].expand(-1, -1, *seq.shape[2:]))
+        gb = torch.gather(seq, 1, (k0 + 1)[..., None, None].expand(-1, -1, *seq.shape[2:]))
+        pred = ga + wgt * (gb - ga)                                                    # (CB, H, No, 3)
         if C > 1:
             pred = pred.reshape(C, B, *pred.shape[1:])
         return pred, out.positions[-1], out.velocities[-1]

@@ -360,7 +360,15 @@ def stacked_manipulator() -> Structure:
         f"EA [N] (actuated, soft incl. series spring, saddle): stage 1 {list(EA[0])}, stage 2 {list(EA[1])};",
         "  stiffness = EA / rest_length; rest_length = L / (1 + T / EA).",
         f"Damping zeta [N s/m] (actuated, soft, saddle): stage 1 {list(DAMPING[0])}, stage 2 {list(DAMPING[1])} "
-        "(assumed).",
+        "(assumed: equivalent damping of strings + series springs + saddle friction; gives modal damping",
+        "  ratios ~5% on the sway pair, 2-4% on the next modes; 500 N s/m is near the largest the twin's 1 ms",
+        "  implicitfast step keeps stable on the 0.145 kg bar ends, 1000 diverges).",
+        "Retuned (was EA soft 1.5/0.4 kN, prestress 400/100 N, zeta 10/5): the soft verticals were so much softer",
+        "  than the actuated ones and the damping so low (~1%) that the seed drive made the plates ring at ~1.7 Hz",
+        "  (+-200 mm). Now: prestress 800/155 N (stage-1 peak torque ~20 N m < 25 for the L54, stage 2 ~3.6 N m",
+        "  < 4 for the M42; 155 rather than 160 N only because 160 gives a stage-2 plate inertia MuJoCo's",
+        "  A+B>=C check rejects by rounding), soft verticals 8/3 kN (stiff series springs), all strings taut",
+        "  with >= 67% of their rest tension under the full drive, motion 7-s periodic (see docs/twin.md).",
         f"Actuators: spool radius {SPOOL_RADIUS} m, direction +1 (positive angle pays string out), zero offset 0,",
         f"  limits [-pi, pi] rad; seed amplitudes 36.3 / 16.8 mm = "
         f"{DRIVE_AMPLITUDE[0] / SPOOL_RADIUS:.3f} / {DRIVE_AMPLITUDE[1] / SPOOL_RADIUS:.3f} rad.",

@@ -279,8 +279,9 @@ class Linearization:
 class HorizonPredictor:
     """Linearised horizon prediction for one structure. See the module docstring.
 
-    structure: the model; dt: prediction step, s, made of ``substeps`` engine steps (semi-implicit Euler is
-    only stable below a few ms on stiff strings: 2 ms for the manipulator); integrator: engine integrator;
+    structure: the model; dt: prediction step, s, made of ``substeps`` engine steps (0 = automatic: the
+    semi-implicit Euler step is explicit in the string damping and must be short on stiff, damped strings, see
+    :meth:`stable_substeps`); integrator: engine integrator;
     nominal: ``twin`` (the nominal rollout runs in the MuJoCo twin built from the current parameters: same
     string law, ~15x cheaper per second of motion than the batch-1 torch engine) or ``engine`` (the torch
     engine itself); the Jacobians always come from the engine's autograd. jac_stride: Jacobians every
@@ -290,7 +291,7 @@ class HorizonPredictor:
 
     NOMINALS = ("twin", "engine")
 
-    def __init__(self, structure: Structure, dt: float = 0.01, substeps: int = 5, integrator: str = "semi_implicit",
+    def __init__(self, structure: Structure, dt: float = 0.01, substeps: int = 0, integrator: str = "semi_implicit",
                  nominal: str = "engine", jac_stride: int = 1, jac_chunk: int = 64, twin_timestep: float = 0.001):
         import torch
         from ..engine import make_engine
@@ -302,7 +303,7 @@ class HorizonPredictor:
         self.engine = make_engine(structure, "nodal", integrator, dtype=torch.float64)
         top = self.engine.topology
         self.dt = float(dt)
-        self.substeps = max(1, int(substeps))
+        self.substeps = max(0, int(substeps))
         self.nominal = nominal
         self.twin_timestep = float(twin_timestep)
         self.node_names = top.node_names
@@ -322,6 +323,8 @@ class HorizonPredictor:
         self.input_names = tuple(f"{a}.angle" for a in self.actuator_names)
         self._twin = None
         self._twin_key = None
+        self._auto_substeps: Dict[tuple, int] = {}
+        self.last_substeps = self.substeps
 
     # ---- helpers -----------------------------------------------------------------------------------
     def full_positions(self, Q: np.ndarray) -> np.ndarray:
@@ -337,24 +340,83 @@ class HorizonPredictor:
         return x[..., :3 * self.nf].reshape(*x.shape[:-1], self.nf, 3), \
             x[..., 3 * self.nf:].reshape(*x.shape[:-1], self.nf, 3)
 
-    def _step_fn(self, params):
-        """One prediction step (``substeps`` engine steps): f(x (B, n), u, ud (B, A) or None) -> (B, n)."""
+    def _step_fn(self, params, n_sub: int):
+        """``n_sub`` engine steps of dt / n_sub: f(x (B, n), u, ud (B, A) or None) -> (B, n)."""
         from ..engine.nodal import prepare, step_reduced
 
         eng = self.engine
         c = eng.constants
         der = prepare(c, params)
-        nf, integ, opts, h, n_sub = self.nf, eng.integrator, eng.options, self.dt / self.substeps, self.substeps
+        nf, integ, opts = self.nf, eng.integrator, eng.options
+        h = self.dt / n_sub
 
-        def f(x, u, ud):
+        def f(x, u, ud, steps: int = n_sub):
             B = x.shape[0]
             Q = x[:, :3 * nf].reshape(B, nf, 3).mT
             V = x[:, 3 * nf:].reshape(B, nf, 3).mT
-            for _ in range(n_sub):
+            for _ in range(steps):
                 Q, V = step_reduced(c, der, Q, V, u, ud, None, h, integ, opts)
             return self.torch.cat([Q.mT.reshape(B, -1), V.mT.reshape(B, -1)], dim=1)
 
         return f
+
+    def _substep_jacobians(self, params, n_sub: int, X, Us, Uds, ks: np.ndarray) -> np.ndarray:
+        """(len(ks), n, n + A) Jacobians [a | b] of ONE engine substep (dt / n_sub) at the nominal points ks,
+        by forward-mode autograd batched over points and tangents."""
+        torch = self.torch
+        f = self._step_fn(params, n_sub)
+        A_ = self.n_u
+        m = self.n + A_
+        Js = np.empty((ks.size, self.n, m))
+        eye = torch.eye(m, dtype=X.dtype)
+        for s in range(0, ks.size, self.jac_chunk):
+            kk = torch.as_tensor(ks[s:s + self.jac_chunk])
+            Kc = kk.numel()
+            xr = X[kk].unsqueeze(0).expand(m, Kc, self.n).reshape(m * Kc, self.n)
+            tx = eye[:, None, :self.n].expand(m, Kc, self.n).reshape(m * Kc, self.n)
+            if A_:
+                ur = Us[kk].unsqueeze(0).expand(m, Kc, A_).reshape(m * Kc, A_)
+                udr = Uds[kk].unsqueeze(0).expand(m, Kc, A_).reshape(m * Kc, A_)
+                tu = eye[:, None, self.n:].expand(m, Kc, A_).reshape(m * Kc, A_)
+                _, jt = torch.func.jvp(lambda a, b: f(a, b, udr, 1), (xr, ur), (tx, tu))
+            else:
+                _, jt = torch.func.jvp(lambda a: f(a, None, None, 1), (xr,), (tx,))
+            Js[s:s + Kc] = jt.reshape(m, Kc, self.n).permute(1, 2, 0).numpy()             # (Kc, n, m)
+        return Js
+
+    @staticmethod
+    def compose(J: np.ndarray, n_sub: int, n: int) -> np.ndarray:
+        """[A | B] of ``n_sub`` repetitions of a substep with Jacobian J = [a | b] (..., n, n + A), the input
+        held: A = a^n_sub, B = sum_j a^j b (binary exponentiation: (A1, B1) o (A2, B2) = (A1 A2, A1 B2 + B1))."""
+        a, b = J[..., :n], J[..., n:]
+        RA, RB = None, None
+        PA, PB = a, b
+        k = int(n_sub)
+        while k:
+            if k & 1:
+                RA, RB = (PA, PB) if RA is None else (np.matmul(PA, RA), np.matmul(PA, RB) + PB)
+            k >>= 1
+            if k:
+                PA, PB = np.matmul(PA, PA), np.matmul(PA, PB) + PB
+        return np.concatenate([RA, RB], axis=-1)
+
+    def stable_substeps(self, params, X, Us, Uds) -> int:
+        """Engine substeps per prediction step: the configured number, or (``substeps=0``) the smallest power
+        of two whose substep Jacobian at the nominal's start has spectral radius <= 1 (semi-implicit Euler is
+        explicit in the string damping: stiff, heavily damped strings need a short step). Cached per params."""
+        if self.substeps:
+            return self.substeps
+        key = tuple(float(v) for v in self.torch.cat([getattr(params, k).reshape(-1) for k in params.kinds()]))
+        if key in self._auto_substeps:
+            return self._auto_substeps[key]
+        n_sub = 1
+        while n_sub < 4096:
+            J = self._substep_jacobians(params, n_sub, X, Us, Uds, np.array([0]))[0, :, :self.n]
+            if np.abs(np.linalg.eigvals(J)).max() <= 1.0 + 1e-7:
+                break
+            n_sub *= 2
+        self._auto_substeps = {key: n_sub}
+        return n_sub
 
     def initial_state(self, params, positions: np.ndarray, velocities: np.ndarray) -> np.ndarray:
         """(n,) state from full-node positions / velocities (N, 3) (NaN rows: file position / zero),
@@ -379,9 +441,9 @@ class HorizonPredictor:
         inp = inputs_from_angles(U, self.dt)
         return inp.motor_angles[:, 0], inp.motor_velocities[:, 0]                                # (K+1, A)
 
-    def _nominal_engine(self, params, x0: np.ndarray, Us, Uds, steps: int):
+    def _nominal_engine(self, params, x0: np.ndarray, Us, Uds, steps: int, n_sub: int):
         torch = self.torch
-        f = self._step_fn(params)
+        f = self._step_fn(params, n_sub)
         with torch.no_grad():
             xs = [torch.as_tensor(x0).unsqueeze(0)]
             for k in range(steps):
@@ -389,8 +451,7 @@ class HorizonPredictor:
         return torch.cat(xs)
 
     def _nominal_twin(self, params, P: np.ndarray, V: np.ndarray, Us, Uds, steps: int):
-        """The nominal from the MuJoCo twin of the current parameters; motors interpolated linearly over
-        each prediction step. Returns states (K+1, n)."""
+        """The nominal from the MuJoCo twin of the current parameters. Returns states (K+1, n)."""
         from ..engine import apply_to_structure
         from ..twin.sim import TwinSim
 
@@ -404,18 +465,11 @@ class HorizonPredictor:
         n_sub = max(1, int(round(self.dt / sim.dt)))
         u = None if Us is None else Us.numpy()
         ud = None if Uds is None else Uds.numpy()
-        if u is not None:
-            sim.set_motor_angles(u[0], ud[0])
         out = np.empty((steps + 1, self.n))
         P1, V1 = sim.node_positions(), sim.node_velocities()
         out[0] = np.concatenate([P1[self.free].reshape(-1), V1[self.free].reshape(-1)])
-        for k in range(steps):
-            for j in range(n_sub):
-                if u is not None:
-                    w = j / n_sub
-                    sim.step((1 - w) * u[k] + w * u[k + 1], 1, (1 - w) * ud[k] + w * ud[k + 1])
-                else:
-                    sim.step(None, 1)
+        for k in range(steps):   # motors held over each prediction step, as in the engine (and B_k)
+            sim.step(None if u is None else u[k], n_sub, None if ud is None else ud[k])
             P1, V1 = sim.node_positions(), sim.node_velocities()
             out[k + 1] = np.concatenate([P1[self.free].reshape(-1), V1[self.free].reshape(-1)])
         return self.torch.as_tensor(out)
@@ -432,29 +486,19 @@ class HorizonPredictor:
         A_ = self.n_u
         if self.nominal == "twin":
             X = self._nominal_twin(params, positions, velocities, Us, Uds, steps)
+            n_sub = self.stable_substeps(params, X, Us, Uds)
         else:
-            X = self._nominal_engine(params, self.initial_state(params, positions, velocities), Us, Uds, steps)
+            x0 = self.initial_state(params, positions, velocities)
+            n_sub = self.stable_substeps(params, torch.as_tensor(x0).unsqueeze(0), Us, Uds)
+            X = self._nominal_engine(params, x0, Us, Uds, steps, n_sub)
         if not torch.all(torch.isfinite(X)):
             raise FloatingPointError("nominal rollout diverged (non-finite states)")
-        f = self._step_fn(params)
-        # Jacobians at every jac_stride-th step (and the last), linearly interpolated in between
+        # Jacobians of ONE engine substep at every jac_stride-th prediction step (and the last), composed over
+        # the substeps of a prediction step (the substep Jacobian varies little within one prediction step)
+        # and interpolated linearly between those time points
         ks = np.unique(np.r_[np.arange(0, steps, self.jac_stride), steps - 1])
-        Js = np.empty((ks.size, self.n, self.n + A_))
-        m = self.n + A_
-        eye = torch.eye(m, dtype=X.dtype)
-        for s in range(0, ks.size, self.jac_chunk):
-            kk = torch.as_tensor(ks[s:s + self.jac_chunk])
-            Kc = kk.numel()
-            xr = X[kk].unsqueeze(0).expand(m, Kc, self.n).reshape(m * Kc, self.n)
-            tx = eye[:, None, :self.n].expand(m, Kc, self.n).reshape(m * Kc, self.n)
-            if A_:
-                ur = Us[kk].unsqueeze(0).expand(m, Kc, A_).reshape(m * Kc, A_)
-                udr = Uds[kk].unsqueeze(0).expand(m, Kc, A_).reshape(m * Kc, A_)
-                tu = eye[:, None, self.n:].expand(m, Kc, A_).reshape(m * Kc, A_)
-                _, jt = torch.func.jvp(lambda a, b: f(a, b, udr), (xr, ur), (tx, tu))
-            else:
-                _, jt = torch.func.jvp(lambda a: f(a, None, None), (xr,), (tx,))
-            Js[s:s + Kc] = jt.reshape(m, Kc, self.n).permute(1, 2, 0).numpy()             # (Kc, n, m)
+        Js = self.compose(self._substep_jacobians(params, n_sub, X, Us, Uds, ks), n_sub, self.n)
+        self.last_substeps = n_sub
         if ks.size == steps:
             J = Js
         else:
@@ -546,8 +590,8 @@ PARAMS = (
               range=(0.02, 60.0)),
     ParamSpec("nominal_margin_s", 1.0, "nominal horizon beyond horizon_s (covers the refresh period and "
               "its compute time) [s]", range=(0.05, 60.0), read_only=True),
-    ParamSpec("substeps", 5, "engine steps per prediction step (semi-implicit Euler needs ~2 ms on the "
-              "manipulator's stiff strings)", range=(1, 1000), read_only=True),
+    ParamSpec("substeps", 0, "engine steps per prediction step for the Jacobians (0 = automatic: the shortest "
+              "power of two that is stable)", range=(0, 4096), read_only=True),
     ParamSpec("nominal", "twin", "nominal rollout: twin (MuJoCo model of the current parameters) | engine",
               choices=HorizonPredictor.NOMINALS, read_only=True),
     ParamSpec("jac_stride", 5, "Jacobians every n prediction steps, interpolated in between", range=(1, 100),
