@@ -28,7 +28,8 @@ class FastDerived:
     """Per-params quantities, batch last (Bp = 1 for unbatched params).
 
     EA, zeta, xi00: (S, Bp); Y: (S, A, Bp); z: (A, Bp); Minv: (n_free, n_free, Bp); Pt: (nba, n_free, Bp);
-    Gc: (nba, nba, Bp); FgT: (3, n_free, Bp).
+    Gc: (nba, nba, Bp); FgT: (3, n_free, Bp); Hs: (n_seg, n_seg, Bp) = C_s T M_q^-1 T^T C_s^T;
+    Hbs: (nba, n_seg, Bp) = C_b T M_q^-1 T^T C_s^T (the implicit integrator's constant couplings).
     """
 
     EA: torch.Tensor
@@ -40,6 +41,8 @@ class FastDerived:
     Pt: torch.Tensor
     Gc: torch.Tensor
     FgT: torch.Tensor
+    Hs: torch.Tensor
+    Hbs: torch.Tensor
 
 
 def _last(t: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -52,9 +55,10 @@ def _last(t: torch.Tensor, ndim: int) -> torch.Tensor:
 def prepare_fast(c: NodalConstants, p: Params) -> FastDerived:
     from .nodal import prepare
     d = prepare(c, p)
+    MCs = d.Minv @ c.Cs_q.T                                                   # (Bp, nf, ns)
     return FastDerived(EA=_last(d.EA, 1), zeta=_last(d.zeta, 1), xi00=_last(d.xi00, 1), Y=_last(d.Y, 2),
                        z=_last(d.z, 1), Minv=_last(d.Minv, 2), Pt=_last(d.Pt, 2), Gc=_last(d.Gc, 2),
-                       FgT=_last(d.FgT, 2))
+                       FgT=_last(d.FgT, 2), Hs=_last(c.Cs_q @ MCs, 2), Hbs=_last(c.Cb_q @ MCs, 2))
 
 
 def _gather(X: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -79,8 +83,9 @@ def _inverse(A: torch.Tensor) -> torch.Tensor:
     return M[:, n:]
 
 
-def forces(c: NodalConstants, der: FastDerived, Q, V, u, udot, fext) -> torch.Tensor:
-    """Generalised forces (3, n_free, B), N (string law of CONTRACTS.md, as :func:`.nodal.string_law`)."""
+def forces(c: NodalConstants, der: FastDerived, Q, V, u, udot, fext, with_strings: bool = False):
+    """Generalised forces (3, n_free, B), N (string law of CONTRACTS.md, as :func:`.nodal.string_law`);
+    ``with_strings``: also the segment unit vectors e (3, n_seg, B) and the tensions (S, B)."""
     s = _gather(Q, c.Cst_i, c.Cst_w) + c.scT.unsqueeze(-1)                    # (3, ns, B)
     sd = _gather(V, c.Cst_i, c.Cst_w)
     xi = torch.sqrt((s * s).sum(0))                                           # (ns, B)
@@ -102,7 +107,7 @@ def forces(c: NodalConstants, der: FastDerived, Q, V, u, udot, fext) -> torch.Te
     F = der.FgT - _gather(seg_t * e, c.Cs_q_i, c.Cs_q_w)
     if fext is not None:
         F = F + fext
-    return F
+    return (F, e, tension) if with_strings else F
 
 
 def accelerations(c: NodalConstants, der: FastDerived, Q, V, u, udot, fext, opts: Options):
@@ -138,10 +143,91 @@ def project(c: NodalConstants, der: FastDerived, Q, V, Ainv, iters: int):
     return Q, V
 
 
+def _cholesky(K: torch.Tensor) -> torch.Tensor:
+    """Lower Cholesky factor of SPD matrices K (n, n, B) (left-looking, unrolled)."""
+    n = K.shape[0]
+    rows = torch.arange(n, device=K.device).unsqueeze(-1)
+    cols = []
+    for j in range(n):
+        v = K[:, j]                                                           # (n, B)
+        if j:
+            Lp = torch.stack(cols, 1)                                         # (n, j, B)
+            v = v - (Lp * Lp[j:j + 1]).sum(1)
+        col = v / torch.sqrt(v[j:j + 1])
+        cols.append(torch.where(rows >= j, col, torch.zeros_like(col)))
+    return torch.stack(cols, 1)
+
+
+def _tril_inverse(L: torch.Tensor) -> torch.Tensor:
+    """Inverse of lower-triangular matrices L (n, n, B) (forward substitution on the identity)."""
+    n = L.shape[0]
+    eye = torch.eye(n, dtype=L.dtype, device=L.device)
+    rows = []
+    for i in range(n):
+        r = eye[i].unsqueeze(-1).expand(n, L.shape[-1])
+        if i:
+            r = r - (L[i, :i].unsqueeze(1) * torch.stack(rows, 0)).sum(0)
+        rows.append(r / L[i, i])
+    return torch.stack(rows, 0)
+
+
+def _matvec(M: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """M (n, m, B) x (m, B) -> (n, B)."""
+    return (M * x.unsqueeze(0)).sum(1)
+
+
+def implicit_step(c: NodalConstants, der: FastDerived, Q, V, u, udot, fext, h: float, opts: Options):
+    """:func:`.nodal.implicit_step` in batch-last form. The couplings g_c^T M^-1 g_d and J_b M^-1 g_c come
+    from the constant H_s, H_bs and the segment directions (g_c = sum over its segments of e_s (x) C_s T)."""
+    F, e, tension = forces(c, der, Q, V, u, udot, fext, with_strings=True)
+    dV0 = h * _dense(F, der.Minv)
+    sw = torch.sqrt(h * der.zeta * (tension > 0).to(Q.dtype))                 # (S, B)
+    ee = (e.unsqueeze(2) * e.unsqueeze(1)).sum(0)                              # (ns, ns, B)
+    S_ = _gather(_gather(der.Hs * ee, c.G_i, c.G_w).transpose(0, 1), c.G_i, c.G_w)   # (S, S, B)
+    nc = S_.shape[0]
+    C = torch.eye(nc, dtype=Q.dtype, device=Q.device).unsqueeze(-1) + sw.unsqueeze(1) * S_ * sw.unsqueeze(0)
+    dvs = _gather(dV0, c.Cst_i, c.Cst_w)                                      # (3, ns, B)
+    r2 = -sw * _gather((e * dvs).sum(0), c.G_i, c.G_w)
+    Vs = V + dV0
+    if c.Cb_q.shape[0] == 0:
+        L = _cholesky(C)
+        Li = _tril_inverse(L)
+        nu = _matvec(Li.transpose(0, 1), _matvec(Li, r2))
+        seg = _gather(sw * nu, c.Gt_i, c.Gt_w)
+        V1 = Vs + _dense(_gather(seg * e, c.Cs_q_i, c.Cs_q_w), der.Minv)
+        return Q + h * V1, V1, None
+    dcT = c.dcT.unsqueeze(-1)
+    d = _gather(Q, c.Cbt_i, c.Cbt_w) + dcT                                   # (3, nb, B)
+    dd = _gather(V, c.Cbt_i, c.Cbt_w)
+    A = der.Gc * (d.unsqueeze(2) * d.unsqueeze(1)).sum(0)                     # (nb, nb, B)
+    target = (d * dd).sum(0) - h * (dd * dd).sum(0)
+    alpha, beta = opts.baumgarte
+    if alpha or beta:
+        g0 = 0.5 * ((d * d).sum(0) - c.l2.unsqueeze(-1))
+        target = target - h * (2.0 * alpha * (d * dd).sum(0) + beta * beta * g0)
+    r1 = target - (d * _gather(Vs, c.Cbt_i, c.Cbt_w)).sum(0)
+    de = (d.unsqueeze(2) * e.unsqueeze(1)).sum(0)                              # (nb, ns, B)
+    Pw = _gather(der.Hbs * de, c.G_i, c.G_w) * sw.unsqueeze(0)                # (nb, S, B)
+    K = torch.cat((torch.cat((A, Pw), 1), torch.cat((Pw.transpose(0, 1), C), 1)), 0)
+    L = _cholesky(K)
+    Li = _tril_inverse(L)
+    sol = _matvec(Li.transpose(0, 1), _matvec(Li, torch.cat((r1, r2), 0)))
+    nb = A.shape[0]
+    mu, nu = sol[:nb], sol[nb:]
+    seg = _gather(sw * nu, c.Gt_i, c.Gt_w)                                    # (ns, B)
+    V1 = Vs + _dense(mu * d, der.Pt) + _dense(_gather(seg * e, c.Cs_q_i, c.Cs_q_w), der.Minv)
+    LiA = Li[:nb, :nb]
+    Ainv = (LiA.unsqueeze(2) * LiA.unsqueeze(1)).sum(0)                       # LiA^T LiA
+    return Q + h * V1, V1, Ainv
+
+
 def step(c: NodalConstants, der: FastDerived, Q, V, u, udot, fext, dt: float, integrator: str, opts: Options):
     """One step, batch last: Q, V (3, n_free, B); u, udot (A, B); fext (3, n_free, B) or None."""
-    integrate = integrators.get(integrator)
-    Q1, V1, Ainv = integrate(Q, V, lambda q, v: accelerations(c, der, q, v, u, udot, fext, opts), dt)
+    if integrator == "implicit":
+        Q1, V1, Ainv = implicit_step(c, der, Q, V, u, udot, fext, dt, opts)
+    else:
+        integrate = integrators.get(integrator)
+        Q1, V1, Ainv = integrate(Q, V, lambda q, v: accelerations(c, der, q, v, u, udot, fext, opts), dt)
     return project(c, der, Q1, V1, Ainv, opts.projection_iters)
 
 

@@ -6,6 +6,10 @@ constant over the step (zero-order hold, like MuJoCo's ctrl).
 
 * ``semi_implicit`` (symplectic Euler, the spring-rod seed's Sec. 3.4): v1 = v + h a(x, v); x1 = x + h v1.
 * ``rk4``: classical 4th-order Runge-Kutta on (x, v).
+* ``implicit`` (nodal engine only): semi-implicit Euler with the string damping linearly implicit (like
+  MuJoCo's ``implicitfast``), for heavily damped strings on light bars; see
+  :func:`tensegrity_ros.engine.nodal.implicit_step`. It needs the engine's structure, so :func:`get` has no
+  generic version of it.
 
 Both return (x1, v1, aux) where ``aux`` is what ``accel`` returned at the start of the step.
 """
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Tuple
 
-INTEGRATORS = ("semi_implicit", "rk4")
+INTEGRATORS = ("semi_implicit", "rk4", "implicit")
 
 
 def _plain_xdot(x, v):
@@ -64,4 +68,6 @@ def get(name: str) -> Callable:
         return semi_implicit
     if name == "rk4":
         return rk4
+    if name == "implicit":
+        raise ValueError("the 'implicit' integrator is specific to the nodal engine (nodal.implicit_step)")
     raise ValueError(f"unknown integrator {name!r} (valid: {', '.join(INTEGRATORS)})")

@@ -252,8 +252,10 @@ class Options(NamedTuple):
     fused: bool = False
 
 
-def generalized_forces(c: NodalConstants, der: Derived, Q, V, u, udot, fext, fused: bool = False) -> torch.Tensor:
-    """F_q^T (B, 3, n_free) N: strings + gravity + external (``fext`` already reduced, (B, 3, n_free))."""
+def generalized_forces(c: NodalConstants, der: Derived, Q, V, u, udot, fext, fused: bool = False,
+                       with_strings: bool = False):
+    """F_q^T (B, 3, n_free) N: strings + gravity + external (``fext`` already reduced, (B, 3, n_free)).
+    ``with_strings``: also return the :class:`StringState` (segment unit vectors in (B, 3, n_seg))."""
     s = rmul(Q, c.Cst, c.Cst_i, c.Cst_w, fused) + c.scT
     sdot = rmul(V, c.Cst, c.Cst_i, c.Cst_w, fused)
     st = string_law(c.G, s, sdot, der, u, udot, G_gather=(c.G_i, c.G_w) if fused else None)
@@ -261,7 +263,7 @@ def generalized_forces(c: NodalConstants, der: Derived, Q, V, u, udot, fext, fus
     F = der.FgT - rmul(seg_t.unsqueeze(-2) * st.e, c.Cs_q, c.Cs_q_i, c.Cs_q_w, fused)
     if fext is not None:
         F = F + fext
-    return F
+    return (F, st) if with_strings else F
 
 
 def _bars(c: NodalConstants, Q, fused: bool):
@@ -319,11 +321,60 @@ def project(c: NodalConstants, der: Derived, Q, V, Ainv, iters: int, fused: bool
     return Q, V
 
 
+def implicit_step(c: NodalConstants, der: Derived, Q, V, u, udot, fext, h: float, opts: Options):
+    """Semi-implicit Euler with the string damping taken implicitly (linearised, like MuJoCo's implicitfast).
+
+    With g_c = dL_c/dQ (B, S, 3, n_free) and the strings pulling at the start of the step (a_c = 1):
+        (M + h sum_c a_c zeta_c g_c g_c^T) dV = h F(Q, V) + J^T mu,   J V1 = d.d' - h |d'|^2 (per bar),
+    solved as one SPD system for the bar impulses mu and the scaled damping impulses nu (w = h zeta a):
+        [[J M^-1 J^T, J M^-1 G w^1/2], [., I + w^1/2 G^T M^-1 G w^1/2]] [mu; nu] = [t - J V*; -w^1/2 G^T dV0]
+    then V1 = V + dV0 + M^-1 (J^T mu + G w^1/2 nu), Q1 = Q + h V1. Stable for any damping at the step size
+    where the undamped system is (the explicit integrators need h zeta / m_node < ~2).
+    Returns (Q1, V1, A^-1) with A = J M^-1 J^T for the projection.
+    """
+    F, st = generalized_forces(c, der, Q, V, u, udot, fext, with_strings=True)
+    dV0 = h * (F @ der.Minv)
+    # dL_c/dQ: (B, S, 3, n_free)
+    g = (c.Gt.unsqueeze(-2) * st.e.unsqueeze(-3)) @ c.Cs_q
+    sw = torch.sqrt(h * der.zeta * (st.tension > 0).to(Q.dtype))    # (B, S)
+    gw = g * sw.unsqueeze(-1).unsqueeze(-1)
+    Mgw = gw @ der.Minv                                             # M^-1 G w^1/2 (B, S, 3, nf)
+    nc = gw.shape[-3]
+    C = torch.eye(nc, dtype=Q.dtype, device=Q.device) + torch.einsum("...cki,...dki->...cd", gw, Mgw)
+    r2 = -torch.einsum("...cki,...ki->...c", gw, dV0)
+    Vs = V + dV0
+    if c.Cb_q.shape[0] == 0:
+        nu = torch.linalg.solve(C, r2.unsqueeze(-1)).squeeze(-1)
+        V1 = Vs + torch.einsum("...c,...cki->...ki", nu, Mgw)
+        return Q + h * V1, V1, None
+    d = Q @ c.Cbt + c.dcT                                           # (B, 3, nb)
+    dd = V @ c.Cbt
+    A = der.Gc * (d.mT @ d)
+    target = (d * dd).sum(-2) - h * (dd * dd).sum(-2)
+    alpha, beta = opts.baumgarte
+    if alpha or beta:
+        g0 = 0.5 * ((d * d).sum(-2) - c.l2)
+        target = target - h * (2.0 * alpha * (d * dd).sum(-2) + beta * beta * g0)
+    r1 = target - (d * (Vs @ c.Cbt)).sum(-2)
+    # J M^-1 G w^1/2: (B, nb, S);  (J M^-1)_b = d_b (x) Pt_b
+    Pw = torch.einsum("...kb,...bi,...cki->...bc", d, der.Pt, gw)
+    K = torch.cat((torch.cat((A, Pw), -1), torch.cat((Pw.mT, C), -1)), -2)
+    L = torch.linalg.cholesky(K)
+    sol = torch.cholesky_solve(torch.cat((r1, r2), -1).unsqueeze(-1), L).squeeze(-1)
+    nb = A.shape[-1]
+    mu, nu = sol[..., :nb], sol[..., nb:]
+    V1 = Vs + (mu.unsqueeze(-2) * d) @ der.Pt + torch.einsum("...c,...cki->...ki", nu, Mgw)
+    return Q + h * V1, V1, torch.cholesky_inverse(L[..., :nb, :nb])
+
+
 def step_reduced(c: NodalConstants, der: Derived, Q, V, u, udot, fext, dt: float, integrator: str,
                  opts: Options):
     """One step in reduced coordinates: (Q, V) (B, 3, n_free) -> (Q', V'). Inputs held over the step."""
-    integrate = integrators.get(integrator)
-    Q1, V1, Ainv = integrate(Q, V, lambda q, v: accelerations(c, der, q, v, u, udot, fext, opts), dt)
+    if integrator == "implicit":
+        Q1, V1, Ainv = implicit_step(c, der, Q, V, u, udot, fext, dt, opts)
+    else:
+        integrate = integrators.get(integrator)
+        Q1, V1, Ainv = integrate(Q, V, lambda q, v: accelerations(c, der, q, v, u, udot, fext, opts), dt)
     return project(c, der, Q1, V1, Ainv, opts.projection_iters, opts.fused)
 
 

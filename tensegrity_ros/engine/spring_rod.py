@@ -29,7 +29,7 @@ from .params import Params, params_from_structure
 from .state import Inputs, RodState
 from .topology import Topology, build_topology
 
-INTEGRATORS = integrators.INTEGRATORS
+INTEGRATORS = ("semi_implicit", "rk4")
 
 
 # =====================================================================================================

@@ -50,6 +50,9 @@ class IdentifyOptions:
     window_s / max_windows / sim_dt / optimize_initial_states / max_iter / optimizer / max_time_s:
         the main stage-2 knobs; ``refine`` and ``regression``: any other field of
         :class:`RefineOptions` / :class:`RegressionOptions`.
+    stage2_start: ``auto`` (stage 2 starts from the stage-1 result or the prior, whichever predicts the
+        data better), ``stage1`` or ``prior``.
+    residual: after a stage-1-only run, evaluate ``residual_rms_m`` (one multiple-shooting forward pass).
     covariance: compute the Gauss-Newton covariance after stage 2 (``covariance_windows`` windows).
     screen: reject non-finite, bar-length-violating (``bar_tol``) and spiking samples first;
         min_valid_fraction: below this fraction of valid free-node samples the data are refused.
@@ -80,6 +83,8 @@ class IdentifyOptions:
     max_time_s: Optional[float] = None
     regression: Mapping[str, Any] = field(default_factory=dict)
     refine: Mapping[str, Any] = field(default_factory=dict)
+    stage2_start: str = "auto"
+    residual: bool = True
     covariance: bool = True
     covariance_windows: int = 16
     screen: bool = True
@@ -90,6 +95,8 @@ class IdentifyOptions:
     raise_errors: bool = False
 
     def __post_init__(self):
+        if self.stage2_start not in ("auto", "stage1", "prior"):
+            raise ValueError(f"IdentifyOptions.stage2_start = {self.stage2_start!r} (valid: auto, stage1, prior)")
         if self.backend not in ("nodal", "spring_rod"):
             raise ValueError(f"IdentifyOptions.backend = {self.backend!r} (valid: nodal, spring_rod)")
 
@@ -285,6 +292,20 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
             if "refine" in stages:
                 ts = time.perf_counter()
                 start = _positive(params, prior, notes)
+                if reg is not None and opts.stage2_start in ("auto", "prior"):
+                    # stage 1 can be badly biased (errors in variables: noisy geometry through stiff strings);
+                    # start stage 2 from whichever predicts the windows better
+                    probe = RefineProblem(structure, datasets, prior, RefineOptions(
+                        kinds=(), window_s=opts.window_s, max_windows=opts.max_windows, sim_dt=opts.sim_dt,
+                        optimize_initial_states=False, derivative_method=opts.derivative_method,
+                        smooth_window_s=opts.smooth_window_s, delay_s=opts.delay_s, device=device,
+                        engine_options=dict(opts.refine.get("engine_options", {}))),
+                        backend=opts.backend, integrator=opts.integrator)
+                    e_reg, e_prior = probe.prediction_rms(start), probe.prediction_rms(prior)
+                    if opts.stage2_start == "prior" or e_prior < e_reg:
+                        notes.append(f"stage 2 starts from the prior (prediction RMS {e_prior * 1e3:.3g} mm) rather "
+                                     f"than stage 1 ({e_reg * 1e3:.3g} mm)")
+                        start = prior
                 kinds = tuple(opts.refine_kinds) if opts.refine_kinds is not None else tuple(opts.estimate)
                 fopts = RefineOptions(**{**dict(
                     kinds=kinds, known=dict(opts.known), ties=tuple(opts.ties), total_mass=opts.total_mass,
@@ -323,7 +344,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     notes.extend(cov.notes)
                     timings["covariance"] = time.perf_counter() - ts
                 # the stage-1 values of parameters stage 2 did not free are kept; rest lengths etc. updated
-            elif reg is not None:
+            elif reg is not None and opts.residual:
                 # residual of the stage-1 result (one forward multiple-shooting evaluation)
                 try:
                     prob = RefineProblem(structure, datasets, params, RefineOptions(

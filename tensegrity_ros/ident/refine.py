@@ -82,6 +82,7 @@ class RefineOptions:
     smooth_window_s: smoothing window for the initial states of noisy data (see data.derivatives).
     device / dtype: where the rollouts run (``"cuda"`` when present).
     observed_nodes: node names compared (default: the free nodes).
+    engine_options: extra ``make_engine`` options (nodal: ``solver``, ``projection_iters``, ...).
     """
 
     kinds: Tuple[str, ...] = ("stiffness", "damping", "rest_length", "mass")
@@ -118,6 +119,7 @@ class RefineOptions:
     device: Optional[str] = None
     dtype: torch.dtype = torch.float64
     observed_nodes: Optional[Tuple[str, ...]] = None
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.optimizer not in ("lbfgs", "adam", "gauss_newton"):
@@ -185,7 +187,8 @@ class RefineProblem:
         self.opts = opts
         dev = torch.device(opts.device) if opts.device else torch.device("cpu")
         self.device, self.dtype = dev, opts.dtype
-        self.engine = make_engine(structure, backend=backend, integrator=integrator, dtype=opts.dtype, device=dev)
+        self.engine = make_engine(structure, backend=backend, integrator=integrator, dtype=opts.dtype, device=dev,
+                                  **dict(opts.engine_options))
         top = self.engine.topology
         self.top = top
         self.backend = backend
@@ -492,6 +495,19 @@ class RefineProblem:
         if C > 1:
             pred = pred.reshape(C, B, *pred.shape[1:])
         return pred, out.positions[-1], out.velocities[-1]
+
+    def prediction_rms(self, params: Params, delay_s: Optional[float] = None) -> float:
+        """RMS 3-D position error (m) of ``params`` from the measured window starts (no optimisation)."""
+        d = torch.tensor(self.opts.delay_s if delay_s is None else delay_s, dtype=self.dtype, device=self.device)
+        p = params.map(lambda t: t.detach().to(dtype=self.dtype, device=self.device))
+        if self.template.control_force_scalar is not None and p.control_force_scalar is None:
+            p = Params(p.stiffness, p.damping, p.rest_length, p.mass, p.spool_radius, p.zero_offset,
+                       self.template.control_force_scalar, p.meta)
+        with torch.no_grad():
+            pred, _, _ = self.simulate(p, d, None)
+            r = (pred - self.targets) * self.mask[..., None].to(self.dtype)
+            val = float(torch.sqrt((r * r).sum() / max(self.n_obs, 1)))
+        return val if math.isfinite(val) else float("inf")
 
     def residuals(self, w: torch.Tensor, x0: Optional[torch.Tensor]) -> torch.Tensor:
         """Masked position residuals (B, H, No, 3), m (zero where not observed)."""

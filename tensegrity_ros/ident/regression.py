@@ -372,7 +372,10 @@ def _design(top: Topology, S: _Samples, Z: np.ndarray, cur: Dict[str, np.ndarray
     if gate_mode == "geometric":
         gate = (D > 0).astype(float)
     else:
-        tension = np.maximum(cur["stiffness"], 0.0)[None] * a + np.maximum(cur["damping"], 0.0)[None] * Dd
+        # the gate uses the current estimates where they are physical, else the prior's values
+        kg = np.where(cur["stiffness"] > 0, cur["stiffness"], cur["prior_stiffness"])
+        cg = np.where(cur["damping"] >= 0, cur["damping"], cur["prior_damping"])
+        tension = kg[None] * a + cg[None] * Dd
         gate = ((tension > 0) & ((D > 0) | (gate_mode == "tension"))).astype(float)
     patt = -np.einsum("sc,sf,tsk->tcfk", top.G, top.Cs_q, e, optimize=True)        # (n, S, nf, 3) reduced unit-tension forces
     def column(kind, el):
@@ -412,15 +415,16 @@ def _design(top: Topology, S: _Samples, Z: np.ndarray, cur: Dict[str, np.ndarray
 # =====================================================================================================
 # solver
 # =====================================================================================================
-def _solve(X: np.ndarray, y: np.ndarray, a: Optional[np.ndarray], d: float, rank_tol: float,
+def _solve(G: np.ndarray, bvec: np.ndarray, a: Optional[np.ndarray], d: float, rank_tol: float,
            th_ref: Optional[np.ndarray] = None):
-    """min |X th - y| (s.t. a.th = d if a is given) by column-normalised SVD with a rank tolerance; along
-    directions below the tolerance th stays at ``th_ref`` (minimum-norm change from it).
+    """min |X th - y| (s.t. a.th = d if a is given) from the normal equations G = X^T X, bvec = X^T y, by an
+    eigen-decomposition of the column-normalised system with a rank tolerance (on singular values of X);
+    along directions below the tolerance th stays at ``th_ref`` (minimum-norm change from it).
 
     Returns th, N (p, q) basis of the constraint's null space, P (q, q) = (A^T A)^+ in z coordinates with
     A = X N, the null directions (q', p) of A (in th coordinates, unit norm), singular values (relative).
     """
-    p = X.shape[1]
+    p = G.shape[0]
     ref = np.zeros(p) if th_ref is None else np.asarray(th_ref, dtype=float)
     if a is None:
         N = np.eye(p)
@@ -431,31 +435,27 @@ def _solve(X: np.ndarray, y: np.ndarray, a: Optional[np.ndarray], d: float, rank
         # orthonormal basis of a-perp
         Qm, _ = np.linalg.qr(np.concatenate([a[:, None], np.eye(p)], axis=1))
         N = Qm[:, 1:p]
-    A = X @ N
-    r0 = y - X @ th0
-    cn = np.linalg.norm(A, axis=0)
+    AtA = N.T @ G @ N
+    Atr0 = N.T @ (bvec - G @ th0)
+    cn = np.sqrt(np.maximum(np.diag(AtA), 0.0))
     cn = np.where(cn > 0, cn, 1.0)
-    As = A / cn
-    # normal equations of the column-normalised system (n >> p; BLAS-3), eigen-decomposed: the singular
-    # values of As are the square roots of the eigenvalues (rank_tol applies to singular values)
-    Gm = As.T @ As
-    ev, Vm = np.linalg.eigh(Gm)
+    Gm = AtA / cn[:, None] / cn[None, :]
+    ev, Vm = np.linalg.eigh(0.5 * (Gm + Gm.T))
     ev, Vm = ev[::-1], Vm[:, ::-1]
     sv = np.sqrt(np.maximum(ev, 0.0))
     Vh = Vm.T
     smax = sv.max() if sv.size else 0.0
     keep = sv > rank_tol * smax if smax > 0 else np.zeros_like(sv, dtype=bool)
-    zs = Vh[keep].T @ ((Vh[keep] @ (As.T @ r0)) / sv[keep] ** 2)
+    zs = Vh[keep].T @ ((Vh[keep] @ (Atr0 / cn)) / sv[keep] ** 2)
     z = zs / cn
     th = th0 + N @ z
-    # pseudo-inverse of A^T A in z coordinates
     Pz = (Vh[keep].T / sv[keep] ** 2) @ Vh[keep]
     Pz = Pz / cn[:, None] / cn[None, :]
     null_dirs = []
     for v in Vh[~keep]:
         w = N @ (v / cn)
         null_dirs.append(w / np.linalg.norm(w))
-    return th, N, Pz, np.array(null_dirs).reshape(-1, p), sv / smax if smax > 0 else sv, A
+    return th, N, Pz, np.array(null_dirs).reshape(-1, p), sv / smax if smax > 0 else sv
 
 
 def _format_direction(v: np.ndarray, names: List[str]) -> str:
@@ -526,6 +526,8 @@ def _current_values(prior: Params, opts: RegressionOptions) -> Dict[str, np.ndar
         cur[kind] = getattr(prior, kind).detach().cpu().double().numpy().reshape(-1).copy()
     h = prior.control_force_scalar
     cur["control_force_scalar"] = np.array([1.0 if h is None else float(h)])
+    cur["prior_stiffness"] = np.abs(cur["stiffness"]).copy()
+    cur["prior_damping"] = np.abs(cur["damping"]).copy()
     meta = prior.meta
     for n, v in opts.known.items():
         elem, _, kind = n.rpartition(".")
@@ -563,6 +565,7 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
     S = _collect(top, datasets, opts, rng)
     lay, known_full = _layout(top, prior, opts)
     cur = _current_values(prior, opts)
+    prior_vals = {k: v.copy() for k, v in cur.items()}
     nominal_rest = np.array(prior.meta.nominal_rest_length)
     notes: List[str] = []
     p_full, q = len(lay.names), len(lay.groups)
@@ -581,15 +584,24 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
     rest_est = "rest_length" in opts.estimate
     n_pass = 1 + max(0, int(opts.relinearize if opts.relinearize is not None else 10))
 
-    def one_pass(S, Z, update: bool, first: bool = False):
-        X, y, row_sample = _design(top, S, Z, cur, lay, known_full, Eq,
-                                   "geometric" if first else opts.string_gate)
-        Xr = X @ K
-        good = np.all(np.isfinite(Xr), axis=1) & np.isfinite(y)
-        if not good.all():
-            Xr, y, row_sample = Xr[good], y[good], row_sample[good]
-        # gauge: homogeneous equations -> anchor on the total mass
-        homogeneous = bool(np.linalg.norm(y) <= 1e-12 * max(np.linalg.norm(Xr), 1e-300))
+    chunk = max(1, int(4_000_000 // max(1, m_eq * p_full)))     # samples per design chunk (memory bound)
+
+    def chunks(S, Z):
+        n = S.Q.shape[0]
+        for c0 in range(0, n, chunk):
+            idx = np.arange(c0, min(n, c0 + chunk))
+            yield c0, (_take(S, idx) if idx.size < n else S), Z[c0:c0 + idx.size]
+
+    def design_chunks(S, Z, gate):
+        for c0, Sc, Zc in chunks(S, Z):
+            X, y, rs = _design(top, Sc, Zc, cur, lay, known_full, Eq, gate)
+            Xr = X @ K
+            good = np.all(np.isfinite(Xr), axis=1) & np.isfinite(y)
+            if not good.all():
+                Xr, y, rs = Xr[good], y[good], rs[good]
+            yield Xr, y, rs + c0
+
+    def gauge_constraint(homogeneous):
         a, d, gauge = None, 0.0, ""
         if homogeneous:
             a = np.zeros(q)
@@ -612,33 +624,48 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
                     total = float(sum(cur["mass"][b] for b in range(top.n_bars) if movable[b]))
                 d = float(total) - known_mass
                 gauge = f"total moving mass fixed at {float(total):g} kg"
-        th_ref = np.zeros(q)
+        return a, d, gauge
+
+    def one_pass(S, Z, gate):
+        G = np.zeros((q, q))
+        bv = np.zeros(q)
+        yy = xx = 0.0
+        n_rows = 0
+        for Xr, y, _ in design_chunks(S, Z, gate):
+            G += Xr.T @ Xr
+            bv += Xr.T @ y
+            yy += float(y @ y)
+            xx += float((Xr * Xr).sum())
+            n_rows += y.shape[0]
+        # gauge: homogeneous equations -> anchor on the total mass
+        homogeneous = bool(math.sqrt(yy) <= 1e-12 * max(math.sqrt(xx), 1e-300))
+        a, d, gauge = gauge_constraint(homogeneous)
+        th_ref = np.zeros(q)   # directions the data do not determine stay at the prior's values
         for g, mem in enumerate(lay.groups):
-            vals = []
-            for k in mem:
-                kind, el = lay.kinds[k], lay.elem[k]
-                vals.append(0.0 if kind == "rest_length" else float(cur[kind][el]))
+            vals = [0.0 if lay.kinds[k] == "rest_length" else float(prior_vals[lay.kinds[k]][lay.elem[k]])
+                    for k in mem]
             th_ref[g] = float(np.mean(vals))
-        th, N, Pz, null_dirs, rel_sv, A = _solve(Xr, y, a, d, opts.rank_tol, th_ref)
-        res = y - Xr @ th
-        if update:
-            full = K @ th
-            for k, v in known_full.items():
-                full[k] = v
+        th, N, Pz, null_dirs, rel_sv = _solve(G, bv, a, d, opts.rank_tol, th_ref)
+        rss = max(yy - 2.0 * float(th @ bv) + float(th @ G @ th), 0.0)
+        # update the linearisation point and the values used by the gates
+        full = K @ th
+        for k, v in known_full.items():
+            full[k] = v
+        for k, (kind, el) in enumerate(zip(lay.kinds, lay.elem)):
+            if kind in ("mass", "stiffness", "damping"):
+                cur[kind][el] = full[k]
+            elif kind == "control_force_scalar":
+                cur[kind][0] = full[k]
+        if rest_est:
             for k, (kind, el) in enumerate(zip(lay.kinds, lay.elem)):
-                if kind in ("mass", "stiffness", "damping"):
-                    cur[kind][el] = full[k]
-                elif kind == "control_force_scalar":
-                    cur[kind][0] = full[k]
-            if rest_est:
-                for k, (kind, el) in enumerate(zip(lay.kinds, lay.elem)):
-                    if kind == "rest_length" and k not in known_full:
-                        kk = cur["stiffness"][el]
-                        if kk > 0 and np.isfinite(full[k]):
-                            lo, hi = 0.5 * nominal_rest[el], 1.5 * nominal_rest[el]
-                            cur["rest_length"][el] = float(np.clip(cur["rest_length"][el] + full[k] / kk,
-                                                                   lo + 1e-9, hi - 1e-9))
-        return th, N, Pz, null_dirs, rel_sv, A, res, row_sample, Xr, y, gauge, homogeneous, d
+                if kind == "rest_length" and k not in known_full:
+                    kk = cur["stiffness"][el]
+                    if kk > 0 and np.isfinite(full[k]):
+                        lo, hi = 0.5 * nominal_rest[el], 1.5 * nominal_rest[el]
+                        cur["rest_length"][el] = float(np.clip(cur["rest_length"][el] + full[k] / kk,
+                                                               lo + 1e-9, hi - 1e-9))
+        return dict(th=th, N=N, Pz=Pz, null_dirs=null_dirs, gauge=gauge, homogeneous=homogeneous, d=d,
+                    rss=rss, n_rows=n_rows, gate=gate)
 
     first_geometric = [True]
 
@@ -646,8 +673,9 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
         sol, prev = None, None
         for it in range(n_pass):
             rest_before = cur["rest_length"].copy()
-            sol = one_pass(S, Z, update=True, first=(it == 0 and first_geometric[0]))
-            th = sol[0]
+            gate = "geometric" if (it == 0 and first_geometric[0]) else opts.string_gate
+            sol = one_pass(S, Z, gate)
+            th = sol["th"]
             moved = np.abs(cur["rest_length"] - rest_before).max() if rest_est else 0.0
             if prev is not None and moved < 1e-9 and \
                     np.all(np.abs(th - prev) <= 1e-9 * np.maximum(np.abs(th), 1e-300)):
@@ -655,16 +683,31 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
             prev = th
         return sol
 
+    def per_sample(S, Z, sol, clusters: bool):
+        """Second pass at the solution: per-sample residual and term magnitudes; cluster score sums."""
+        n = S.Q.shape[0]
+        ss, mag, cnt = np.zeros(n), np.zeros(n), np.zeros(n)
+        th, N = sol["th"], sol["N"]
+        scores = {}
+        for Xr, y, rs in design_chunks(S, Z, sol["gate"]):
+            res = y - Xr @ th
+            ss += np.bincount(rs, weights=res ** 2, minlength=n)
+            mag += np.bincount(rs, weights=(np.abs(Xr * th[None, :]).sum(1) + np.abs(y)) ** 2, minlength=n)
+            cnt += np.bincount(rs, minlength=n)
+            if clusters:
+                A = Xr @ N
+                cl = S.cluster[rs]
+                uc, inv = np.unique(cl, return_inverse=True)
+                Gc = np.zeros((uc.size, A.shape[1]))
+                np.add.at(Gc, inv, A * res[:, None])
+                for u_, g_ in zip(uc, Gc):
+                    scores[u_] = scores.get(u_, 0.0) + g_
+        return ss, mag, cnt, scores
+
     sol = solve_all(S, Z)
     dropped = 0
     if opts.outlier_threshold is not None:
-        th_, res, row_sample, Xr_ = sol[0], sol[6], sol[7], sol[8]
-        n = S.Q.shape[0]
-        ss = np.bincount(row_sample, weights=res ** 2, minlength=n)
-        # magnitude of the individual terms of each equation (heteroscedasticity: residuals grow with forces)
-        mag = np.bincount(row_sample, weights=(np.abs(Xr_ * th_[None, :]).sum(1) + np.abs(sol[9])) ** 2,
-                          minlength=n)
-        cnt = np.bincount(row_sample, minlength=n)
+        ss, mag, cnt, _ = per_sample(S, Z, sol, False)
         use = cnt > 0
         # relative to the sample's own force level, floored at the typical level (slack samples have ~no force)
         level = np.sqrt(mag)
@@ -680,22 +723,21 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
             notes.append(f"{dropped} outlying sample(s) rejected (relative residual > median + "
                          f"{opts.outlier_threshold:g} MAD and > {opts.outlier_min_relative:g})")
             sol = solve_all(S, Z)
-    th, N, Pz, null_dirs, rel_sv, A, res, row_sample, Xr, y, gauge, homogeneous, d = sol
-    n_rows = Xr.shape[0]
+    th, N, Pz, null_dirs = sol["th"], sol["N"], sol["Pz"], sol["null_dirs"]
+    gauge, homogeneous, d = sol["gauge"], sol["homogeneous"], sol["d"]
+    n_rows = sol["n_rows"]
     rank = int(np.linalg.matrix_rank(Pz, tol=1e-300)) if Pz.size else 0
     dof = max(n_rows - rank, 1)
-    sigma2 = float(res @ res) / dof
+    sigma2 = sol["rss"] / dof
     cov_mode = opts.covariance
     if cov_mode == "auto":
         cov_mode = "cluster" if S.smoothed else "iid"
     if cov_mode == "iid":
         Cz = sigma2 * Pz
     else:
-        clusters = S.cluster[row_sample]
-        uc, inv = np.unique(clusters, return_inverse=True)
-        G = np.zeros((uc.size, A.shape[1]))
-        np.add.at(G, inv, A * res[:, None])
-        meat = G.T @ G * (n_rows / dof)
+        _, _, _, scores = per_sample(S, Z, sol, True)
+        Gs = np.array(list(scores.values())).reshape(-1, Pz.shape[0])
+        meat = Gs.T @ Gs * (n_rows / dof)
         Cz = Pz @ meat @ Pz
         # never more optimistic than the iid estimate
         Cz_iid = sigma2 * Pz
@@ -790,6 +832,6 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
                 cov[:, a_i] /= kval
     return RegressionResult(params=params, estimates=estimates, std_devs=std, identifiability=ident,
                             identifiable=identifiable, ratios=ratios, gauge=gauge if homogeneous else "",
-                            non_identifiable=non_ident, residual_rms=float(np.sqrt(np.mean(res ** 2))),
+                            non_identifiable=non_ident, residual_rms=float(math.sqrt(sol["rss"] / max(n_rows, 1))),
                             n_samples=int(S.Q.shape[0]), n_equations=int(n_rows), dropped_samples=dropped,
                             names=cov_names, covariance=cov, notes=notes)

@@ -50,7 +50,7 @@ TENSION_GUESS = ((147.0, 425.0), (37.0, 106.0))
 #: EA (N) of (actuated vertical, soft vertical incl. its series spring, saddle loop), per stage.
 EA = ((20000.0, 8000.0, 20000.0), (8000.0, 3000.0, 8000.0))
 #: Damping zeta (N s/m) of (actuated, soft, saddle), per stage.
-DAMPING = ((500.0, 500.0, 500.0), (150.0, 150.0, 150.0))
+DAMPING = ((100.0, 100.0, 100.0), (30.0, 30.0, 30.0))
 #: Actuators: spool radius (m), direction, zero offset (rad), limits (rad), Dynamixel model, per stage.
 SPOOL_RADIUS = 0.02
 MOTOR_MODELS = ("l54-50-s290-r", "m42-10-s260-r")
@@ -360,9 +360,10 @@ def stacked_manipulator() -> Structure:
         f"EA [N] (actuated, soft incl. series spring, saddle): stage 1 {list(EA[0])}, stage 2 {list(EA[1])};",
         "  stiffness = EA / rest_length; rest_length = L / (1 + T / EA).",
         f"Damping zeta [N s/m] (actuated, soft, saddle): stage 1 {list(DAMPING[0])}, stage 2 {list(DAMPING[1])} "
-        "(assumed: equivalent damping of strings + series springs + saddle friction; gives modal damping",
-        "  ratios ~5% on the sway pair, 2-4% on the next modes; 500 N s/m is near the largest the twin's 1 ms",
-        "  implicitfast step keeps stable on the 0.145 kg bar ends, 1000 diverges).",
+        "(assumed: equivalent damping of strings + series springs + saddle friction). 500/150 N s/m would damp",
+        "  the sway pair at ~5%, but on the 0.11-0.145 kg bar ends it makes the damping term stiff: the torch",
+        "  engine's explicit integrators diverge at any dt >= 0.5 ms (measured), so 100/30 N s/m keeps it",
+        "  stable at 1 ms with margin; the plates then ring lightly (~1%) on top of the periodic response.",
         "Retuned (was EA soft 1.5/0.4 kN, prestress 400/100 N, zeta 10/5): the soft verticals were so much softer",
         "  than the actuated ones and the damping so low (~1%) that the seed drive made the plates ring at ~1.7 Hz",
         "  (+-200 mm). Now: prestress 800/155 N (stage-1 peak torque ~20 N m < 25 for the L54, stage 2 ~3.6 N m",

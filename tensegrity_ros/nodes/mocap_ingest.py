@@ -101,6 +101,7 @@ class MocapIngestNode(C.GraphNode):
         self.rate = C.RateMeter()
         self.frames = 0
         self.registration_errors = 0
+        self.refreshes = 0
         self.last_error = ""
         self.last_sample = None
         self.mocap_frame = ""
@@ -165,6 +166,7 @@ class MocapIngestNode(C.GraphNode):
         """Re-fit the mocap->structure transform; returns a one-line result (raises MocapError)."""
         with self._lock:
             R, t = self.ingest.refresh_transform()
+            self.refreshes += 1
         angle = np.degrees(np.arccos(np.clip((np.trace(R) - 1) / 2, -1, 1)))
         return f"transform refreshed: rotation {angle:.2f} deg, translation {np.round(t, 4).tolist()} m"
 

@@ -372,12 +372,12 @@ class HorizonPredictor:
         for s in range(0, ks.size, self.jac_chunk):
             kk = torch.as_tensor(ks[s:s + self.jac_chunk])
             Kc = kk.numel()
-            xr = X[kk].unsqueeze(0).expand(m, Kc, self.n).reshape(m * Kc, self.n)
-            tx = eye[:, None, :self.n].expand(m, Kc, self.n).reshape(m * Kc, self.n)
+            xr = X[kk].unsqueeze(0).expand(m, Kc, self.n).reshape(m * Kc, self.n).contiguous()
+            tx = eye[:, None, :self.n].expand(m, Kc, self.n).reshape(m * Kc, self.n).contiguous()
             if A_:
-                ur = Us[kk].unsqueeze(0).expand(m, Kc, A_).reshape(m * Kc, A_)
-                udr = Uds[kk].unsqueeze(0).expand(m, Kc, A_).reshape(m * Kc, A_)
-                tu = eye[:, None, self.n:].expand(m, Kc, A_).reshape(m * Kc, A_)
+                ur = Us[kk].unsqueeze(0).expand(m, Kc, A_).reshape(m * Kc, A_).contiguous()
+                udr = Uds[kk].unsqueeze(0).expand(m, Kc, A_).reshape(m * Kc, A_).contiguous()
+                tu = eye[:, None, self.n:].expand(m, Kc, A_).reshape(m * Kc, A_).contiguous()
                 _, jt = torch.func.jvp(lambda a, b: f(a, b, udr, 1), (xr, ur), (tx, tu))
             else:
                 _, jt = torch.func.jvp(lambda a: f(a, None, None, 1), (xr,), (tx,))
@@ -387,18 +387,21 @@ class HorizonPredictor:
     @staticmethod
     def compose(J: np.ndarray, n_sub: int, n: int) -> np.ndarray:
         """[A | B] of ``n_sub`` repetitions of a substep with Jacobian J = [a | b] (..., n, n + A), the input
-        held: A = a^n_sub, B = sum_j a^j b (binary exponentiation: (A1, B1) o (A2, B2) = (A1 A2, A1 B2 + B1))."""
-        a, b = J[..., :n], J[..., n:]
-        RA, RB = None, None
-        PA, PB = a, b
+        held: A = a^n_sub, B = sum_j a^j b (binary exponentiation: (A1, B1) o (A2, B2) = (A1 A2, A1 B2 + B1);
+        torch matmul: one thread, no BLAS thread pool spinning next to the graph)."""
+        import torch
+
+        Jt = torch.as_tensor(J)
+        PA, PB = Jt[..., :n], Jt[..., n:]
+        RA = RB = None
         k = int(n_sub)
         while k:
             if k & 1:
-                RA, RB = (PA, PB) if RA is None else (np.matmul(PA, RA), np.matmul(PA, RB) + PB)
+                RA, RB = (PA, PB) if RA is None else (PA @ RA, PA @ RB + PB)
             k >>= 1
             if k:
-                PA, PB = np.matmul(PA, PA), np.matmul(PA, PB) + PB
-        return np.concatenate([RA, RB], axis=-1)
+                PA, PB = PA @ PA, PA @ PB + PB
+        return torch.cat([RA, RB], dim=-1).numpy()
 
     def stable_substeps(self, params, X, Us, Uds) -> int:
         """Engine substeps per prediction step: the configured number, or (``substeps=0``) the smallest power
@@ -462,16 +465,29 @@ class HorizonPredictor:
         sim = self._twin
         sim.reset()
         sim.set_node_state(P, V)
+        import mujoco
+        bad = (mujoco.mjtWarning.mjWARN_BADQACC, mujoco.mjtWarning.mjWARN_BADQVEL, mujoco.mjtWarning.mjWARN_BADQPOS)
+        warnings0 = [int(sim.data.warning[w].number) for w in bad]
         n_sub = max(1, int(round(self.dt / sim.dt)))
         u = None if Us is None else Us.numpy()
         ud = None if Uds is None else Uds.numpy()
         out = np.empty((steps + 1, self.n))
         P1, V1 = sim.node_positions(), sim.node_velocities()
         out[0] = np.concatenate([P1[self.free].reshape(-1), V1[self.free].reshape(-1)])
-        for k in range(steps):   # motors held over each prediction step, as in the engine (and B_k)
-            sim.step(None if u is None else u[k], n_sub, None if ud is None else ud[k])
+        chunks = max(1, min(n_sub, int(round(self.dt / 0.002))))   # motor angles refreshed every ~2 ms
+        bounds = np.linspace(0, n_sub, chunks + 1).round().astype(int)
+        for k in range(steps):
+            for c in range(chunks):
+                if u is None:
+                    sim.step(None, int(bounds[c + 1] - bounds[c]))
+                else:   # linear between the prediction steps (the motors move continuously)
+                    w = bounds[c] / n_sub
+                    sim.step((1 - w) * u[k] + w * u[k + 1], int(bounds[c + 1] - bounds[c]),
+                             (1 - w) * ud[k] + w * ud[k + 1])
             P1, V1 = sim.node_positions(), sim.node_velocities()
             out[k + 1] = np.concatenate([P1[self.free].reshape(-1), V1[self.free].reshape(-1)])
+        if [int(sim.data.warning[w].number) for w in bad] != warnings0:
+            raise FloatingPointError("the twin nominal went unstable (MuJoCo reset it); parameters implausible?")
         return self.torch.as_tensor(out)
 
     def linearize(self, params, t0: float, positions: np.ndarray, velocities: np.ndarray, u: Optional[np.ndarray],
@@ -586,15 +602,15 @@ PARAMS = (
     ParamSpec("integrator", "semi_implicit", "engine integrator", choices=("semi_implicit", "rk4"), read_only=True),
     ParamSpec("horizon_s", 1.0, "prediction horizon [s]", range=(0.01, 10.0), read_only=True),
     ParamSpec("dt", 0.01, "prediction step [s]", range=(1e-4, 0.1), read_only=True),
-    ParamSpec("relinearize_period_s", 0.5, "refresh of the nominal trajectory and its Jacobians [s]",
+    ParamSpec("relinearize_period_s", 1.0, "refresh of the nominal trajectory and its Jacobians [s]",
               range=(0.02, 60.0)),
-    ParamSpec("nominal_margin_s", 1.0, "nominal horizon beyond horizon_s (covers the refresh period and "
-              "its compute time) [s]", range=(0.05, 60.0), read_only=True),
+    ParamSpec("nominal_margin_s", 0.0, "nominal horizon beyond horizon_s [s]; 0 = automatic: the refresh "
+              "period + 1.5 x the last relinearisation time + 0.2 s", range=(0.0, 60.0)),
     ParamSpec("substeps", 0, "engine steps per prediction step for the Jacobians (0 = automatic: the shortest "
               "power of two that is stable)", range=(0, 4096), read_only=True),
     ParamSpec("nominal", "twin", "nominal rollout: twin (MuJoCo model of the current parameters) | engine",
               choices=HorizonPredictor.NOMINALS, read_only=True),
-    ParamSpec("jac_stride", 5, "Jacobians every n prediction steps, interpolated in between", range=(1, 100),
+    ParamSpec("jac_stride", 10, "Jacobians every n prediction steps, interpolated in between", range=(1, 100),
               read_only=True),
     ParamSpec("motor_source", "auto", "future motor angles: auto | plan | reference | hold",
               choices=("auto", "plan", "reference", "hold")),
@@ -630,7 +646,6 @@ class StatePredictorNode(C.GraphNode):
                              "nominal": p["nominal"], "jac_stride": p["jac_stride"]}
         self.core = HorizonPredictor(self.structure, **self.core_options)
         self.steps = max(1, int(round(p["horizon_s"] / p["dt"])))
-        self.nominal_steps = self.steps + max(2, int(math.ceil(p["nominal_margin_s"] / p["dt"])))
         self.params = self.core.engine.default_params()
         self.set_id = "nominal"
         self._params_version = 0
@@ -766,7 +781,7 @@ class StatePredictorNode(C.GraphNode):
         q = np.where(np.isfinite(q), q, core.X0[core.free])
         v = np.where(np.isfinite(v), v, 0.0)
         P, V = core.full_positions(q), core.full_velocities(v)   # dependent nodes from the free ones
-        K = self.nominal_steps
+        K = self.nominal_steps()
         u = self.future.angles(t0 + core.dt * np.arange(K + 1)) if core.n_u else None
         if core.n_u and u is None:
             return   # no motor state yet
@@ -776,6 +791,15 @@ class StatePredictorNode(C.GraphNode):
                                 K, set_id).result()
         self.lin_time.add(time.perf_counter() - t_start)
         self._lin = new
+
+    def nominal_steps(self) -> int:
+        """Prediction steps of the next nominal: the horizon + the margin (see ``nominal_margin_s``)."""
+        p = self.p
+        margin = p["nominal_margin_s"]
+        if margin <= 0:
+            last = self.lin_time.percentile(90) if self.lin_time.count else 0.6
+            margin = p["relinearize_period_s"] + 1.5 * last + 0.2
+        return self.steps + max(2, int(math.ceil(margin / self.core.dt)))
 
     # ---- per message ---------------------------------------------------------------------------------------
     def _on_node_states(self, msg, info=None) -> None:
