@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -148,7 +147,8 @@ def spring_rod_table(quick: bool, seed: int = 0) -> Dict[str, Any]:
         pp = PAPER_SPRING_ROD.get(paper[lab] or "", None)
         ptxt = f"{pp[0]}, {pp[1]}, {pp[2]}, {pp[3]}" if pp else "(not in paper)"
         _log(f"  {lab:14s} {_mean_std([r['KM'] for r in rs]):>16s} {_mean_std([r['cM'] for r in rs]):>16s} "
-             f"{_mean_std([r['s_it'] for r in rs]):>12s} {o['seconds_to_converge']:9.3f} {o['success_rate']:8.2f}   | {ptxt}")
+             f"{_mean_std([r['s_it'] for r in rs]):>12s} {o['seconds_to_converge']:9.3f} "
+             f"{o['success_rate']:8.2f}   | {ptxt}")
     _log(f"  ours flags K, c, M individually non-identifiable and reports the ratios: "
          f"{out['ours']['individually_flagged_non_identifiable']}")
     return out
@@ -198,10 +198,10 @@ def icosahedron(quick: bool, seed: int = 1) -> Dict[str, Any]:
             groups = {"K": tuple(n for n in names if n.endswith("stiffness")),
                       "c": tuple(n for n in names if n.endswith("damping")),
                       "M": tuple(n for n in names if n.endswith("mass"))} if uniform else {n: (n,) for n in names}
-            n_bl = min(2 if quick else 5, n_traj)
+            n_bl = min(1 if quick else 5, n_traj)
             obj = TwinObjective(s, trials[:n_bl], groups, timestep=DT, integrator="Euler")
             x0 = [1.0] * len(groups)
-            it = 8 if quick else (30 if uniform else 10)
+            it = 5 if quick else (30 if uniform else 10)
             for lab, fn in (("LS", least_squares_lbfgsb), ("CMA-ES", cma_es), ("mujoco.sysid", mujoco_minimize)):
                 r = fn(obj, x0, max_iter=it, max_time_s=60 if quick else 600)
                 v = r.values
@@ -227,7 +227,7 @@ def data_efficiency(quick: bool, seed: int = 2) -> Dict[str, Any]:
     p = params_from_structure(s)
     true = {n: float(v) for n, v in p.named().items()}
     names = [n for n in true if n.rpartition(".")[2] in ("stiffness", "damping", "mass")]
-    n_traj, steps = (10, 500) if quick else (40, 2000)
+    n_traj, steps = (6, 500) if quick else (40, 2000)
     rng = np.random.default_rng(seed)
     datas = []
     for _ in range(n_traj):
@@ -370,29 +370,50 @@ def manipulator(quick: bool, seed: int = 0) -> Dict[str, Any]:
     s, noisy, prior, true, total = manipulator_problem(seed=seed)
     t_gt = time.perf_counter() - t0
     kinds = ("mass", "stiffness", "damping", "rest_length")
+    out: Dict[str, Any] = {"ground_truth_seconds": t_gt}
+    if not quick:
+        # stage 1 alone, for the record: errors in variables (1 mm noise through 20 kN/m strings) bias it badly
+        t1 = time.perf_counter()
+        r1 = identify(s, noisy, prior=prior, stages=("regression",), options=IdentifyOptions(
+            estimate=kinds, total_mass=total, smooth_window_s=0.05, residual=False))
+        e1 = manipulator_errors(r1.values(), true) if r1.ok else {}
+        out["stage1_only"] = {"seconds": time.perf_counter() - t1,
+                              "median_error_pct": float(np.median(list(e1.values()))) if e1 else None}
+        _log(f"  manipulator stage 1 alone: median error {out['stage1_only']['median_error_pct']:.3g} % in "
+             f"{out['stage1_only']['seconds']:.1f} s (biased by the marker noise; stage 2 starts from the prior)")
+    # the nominal model's declared uncertainty is the prior (MAP): ~20 % on k, c, m, 3 mm on rest lengths
+    prior_std = {"stiffness": 0.2, "damping": 0.2, "mass": 0.2, "rest_length": 0.003}
     opts = IdentifyOptions(estimate=kinds, refine_kinds=kinds, total_mass=total, window_s=0.1,
-                           max_windows=12 if quick else 48, max_iter=4 if quick else 15, smooth_window_s=0.05,
-                           covariance_windows=8, refine={"jacobian": "forward"})
+                           max_windows=12 if quick else 24, max_iter=4 if quick else 10, smooth_window_s=0.05,
+                           covariance_windows=4 if quick else 12, refine={"jacobian": "forward"},
+                           prior_std=prior_std, noise_std_m=1e-3)
     t1 = time.perf_counter()
-    res = identify(s, noisy, prior=prior, options=opts)
+    res = identify(s, noisy, prior=prior, stages=("refine",), options=opts)
     wall = time.perf_counter() - t1
     e_prior = manipulator_errors({n: float(v) for n, v in prior.named().items()}, true)
     e = manipulator_errors(res.values(), true) if res.ok else e_prior
     by_kind = {k: float(np.median([x for n, x in e.items() if n.endswith(k)])) for k in kinds}
     rest_mm = [abs(res.values()[n] - true[n]) * 1e3 for n in true if n.endswith("rest_length")]
-    out = {"ok": res.ok, "error": None if res.ok else str(res.error), "wall_s": wall, "timings": res.timings,
-           "median_error_pct": float(np.median(list(e.values()))), "median_error_pct_by_kind": by_kind,
-           "prior_median_error_pct": float(np.median(list(e_prior.values()))),
-           "rest_length_error_mm_median": float(np.median(rest_mm)), "errors_pct": e,
-           "residual_rms_mm": res.residual_rms_m * 1e3, "ground_truth_seconds": t_gt,
-           "settings": {"windows": opts.max_windows, "window_s": opts.window_s, "max_iter": opts.max_iter},
-           "notes": res.notes[-4:]}
-    _log("\nStacked manipulator: 14 s twin data, 1 mm marker noise, 5 % frames missing, prior ~20 % off")
+    z = [(res.values()[n] - true[n]) / res.std_devs[n] for n in e
+         if n in res.std_devs and np.isfinite(res.std_devs[n]) and res.std_devs[n] > 0]
+    out.update({"ok": res.ok, "error": None if res.ok else str(res.error), "wall_s": wall, "timings": res.timings,
+                "median_error_pct": float(np.median(list(e.values()))), "median_error_pct_by_kind": by_kind,
+                "prior_median_error_pct": float(np.median(list(e_prior.values()))),
+                "prior_median_error_pct_by_kind": {k: float(np.median([x for n, x in e_prior.items()
+                                                                        if n.endswith(k)])) for k in kinds},
+                "rest_length_error_mm_median": float(np.median(rest_mm)), "errors_pct": e,
+                "residual_rms_mm": res.residual_rms_m * 1e3,
+                "z_rms": float(np.sqrt(np.mean(np.square(z)))) if z else None,
+                "settings": {"windows": opts.max_windows, "window_s": opts.window_s, "max_iter": opts.max_iter,
+                             "stages": ["refine"], "prior_std": prior_std},
+                "notes": res.notes[-4:]})
+    _log("\nStacked manipulator: 14 s twin data, 1 mm marker noise, 5 % frames missing, prior ~20 % off "
+         "(k, c, m) and ~3 mm (rest lengths); scale anchored on the weighed total mass")
     _log(f"  {'ok' if res.ok else 'FAILED: ' + str(res.error)}; median error {out['median_error_pct']:.3g} % "
          f"(prior {out['prior_median_error_pct']:.3g} %), by kind " +
          ", ".join(f"{k} {v:.3g} %" for k, v in by_kind.items()) +
-         f"; rest lengths median {out['rest_length_error_mm_median']:.3g} mm; wall {wall:.1f} s "
-         f"(targets: < 2 %, < 10 s)")
+         f"; rest lengths median {out['rest_length_error_mm_median']:.3g} mm; residual "
+         f"{out['residual_rms_mm']:.2f} mm; wall {wall:.1f} s (targets: < 2 %, < 10 s)")
     return out
 
 

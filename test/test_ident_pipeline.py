@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from tensegrity_ros.engine import params_from_structure
 from tensegrity_ros.ident import (DataError, IdentifyOptions, NotEnoughDataError, add_marker_noise, drop_frames,

@@ -151,3 +151,36 @@ def test_rolling_stats():
         r.add(v)
     s = r.summary()
     assert s["n"] == 200 and s["p50"] == pytest.approx(150.5) and s["max"] == 200
+
+
+def test_fast_codecs_match_rclpy():
+    from geometry_msgs.msg import PoseArray
+    from sensor_msgs.msg import JointState
+
+    rng = np.random.default_rng(2)
+    m = rng.normal(size=(7, 3))
+    for data in (C.pose_array_to_cdr(5.25, m, "mocap"), serialize_message(C.markers_to_pose_array(5.25, m, "mocap"))):
+        t, got, frame = C.markers_from_cdr(data)
+        assert t == pytest.approx(5.25) and frame == "mocap"
+        np.testing.assert_array_equal(got, m)
+    msg = deserialize_message(C.pose_array_to_cdr(5.25, m, "mocap"), PoseArray)
+    assert msg.poses[3].orientation.w == 1.0 and msg.poses[3].position.y == m[3, 1]
+    P, V = rng.normal(size=(5, 3)), rng.normal(size=(5, 3))
+    valid = np.array([1, 0, 1, 1, 0], bool)
+    names = [f"n{i}" for i in range(5)]
+    for data in (C.node_states_to_cdr(3.0, names, P, V, valid, "structure", "x"),
+                 serialize_message(C.node_states_to_msg(3.0, names, P, V, valid, "structure", "x"))):
+        for r in (C.node_states_from_cdr(data), C.node_states_from_msg(deserialize_message(data, NodeStates))):
+            assert r.names == tuple(names) and r.frame_id == "structure" and r.stamp == 3.0
+            np.testing.assert_array_equal(r.positions, P)
+            np.testing.assert_array_equal(r.velocities, V)
+            np.testing.assert_array_equal(r.valid, valid)
+        assert deserialize_message(data, NodeStates).frame_note == "x"
+    js = C.joint_state_to_msg(2.0, ["a", "bb", "c"], [1.0, 2.0, 3.0], [0.1, 0.2, 0.3])
+    r = C.joint_state_from_cdr(serialize_message(js))
+    assert r.names == ("a", "bb", "c") and r.stamp == 2.0
+    np.testing.assert_array_equal(r.position, [1, 2, 3])
+    np.testing.assert_array_equal(r.velocity, [0.1, 0.2, 0.3])
+    assert np.isnan(r.effort).all()
+    empty = serialize_message(JointState())
+    assert C.joint_state_from_cdr(empty).names == ()

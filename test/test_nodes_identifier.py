@@ -89,12 +89,12 @@ def pendulum_data(tmp_path_factory):
     from tensegrity_ros.engine import params_from_structure
     from tensegrity_ros.ident.synthetic import actuated_pendulum, random_initial_state, simulate_dataset
     from tensegrity_ros.model import dump_structure
-    from tensegrity_ros.nodes.sim_robot import perturb_structure
+    from tensegrity_ros.model.perturb import perturb_structure
 
     s = actuated_pendulum()
     path = tmp_path_factory.mktemp("ident") / "pendulum.yaml"
     dump_structure(s, path)
-    true = perturb_structure(s, 0.2, seed=3)
+    true = perturb_structure(s, 0.2, seed=3, kinds=("stiffness", "damping"))
     X0, V0 = random_initial_state(true, np.random.default_rng(0), pos_std=0.01, vel_std=0.05)
     u_fn = lambda t: np.stack([0.3 * np.sin(2 * np.pi * t / 3.0), 0.3 * np.cos(2 * np.pi * t / 3.0)], -1)  # noqa
     ds = simulate_dataset(true, params_from_structure(true), X0, V0, dt=1 / 1200, steps=4800, every=10,

@@ -129,46 +129,55 @@ def accelerations(c: NodalConstants, der: FastDerived, Q, V, u, udot, fext, opts
     return a0 + _dense(lam * d, der.Pt), Ainv
 
 
-def project(c: NodalConstants, der: FastDerived, Q, V, Ainv, iters: int):
-    if iters <= 0 or Ainv is None:
+def project(c: NodalConstants, der: FastDerived, Q, V, Asolve, iters: int):
+    """As :func:`.nodal.project`; ``Asolve(r)`` applies the chord A^-1 to (nba, B) vectors (None: no bars)."""
+    if iters <= 0 or Asolve is None:
         return Q, V
     dcT, l2 = c.dcT.unsqueeze(-1), c.l2.unsqueeze(-1)
     for _ in range(iters):
         d = _gather(Q, c.Cbt_i, c.Cbt_w) + dcT
         g = 0.5 * ((d * d).sum(0) - l2)
-        Q = Q - _dense((Ainv * g.unsqueeze(0)).sum(1) * d, der.Pt)
+        Q = Q - _dense(Asolve(g) * d, der.Pt)
     d = _gather(Q, c.Cbt_i, c.Cbt_w) + dcT
     r = (d * _gather(V, c.Cbt_i, c.Cbt_w)).sum(0)
-    V = V - _dense((Ainv * r.unsqueeze(0)).sum(1) * d, der.Pt)
+    V = V - _dense(Asolve(r) * d, der.Pt)
     return Q, V
 
 
 def _cholesky(K: torch.Tensor) -> torch.Tensor:
-    """Lower Cholesky factor of SPD matrices K (n, n, B) (left-looking, unrolled)."""
+    """Lower Cholesky factor L (n, n, B) of SPD matrices K (n, n, B): left-looking, one fused column update
+    per (j, k) pair, no growing concatenations (they defeat inductor's fusion)."""
     n = K.shape[0]
     rows = torch.arange(n, device=K.device).unsqueeze(-1)
     cols = []
     for j in range(n):
         v = K[:, j]                                                           # (n, B)
-        if j:
-            Lp = torch.stack(cols, 1)                                         # (n, j, B)
-            v = v - (Lp * Lp[j:j + 1]).sum(1)
+        for k in range(j):
+            v = v - cols[k] * cols[k][j:j + 1]
         col = v / torch.sqrt(v[j:j + 1])
         cols.append(torch.where(rows >= j, col, torch.zeros_like(col)))
     return torch.stack(cols, 1)
 
 
-def _tril_inverse(L: torch.Tensor) -> torch.Tensor:
-    """Inverse of lower-triangular matrices L (n, n, B) (forward substitution on the identity)."""
-    n = L.shape[0]
-    eye = torch.eye(n, dtype=L.dtype, device=L.device)
-    rows = []
-    for i in range(n):
-        r = eye[i].unsqueeze(-1).expand(n, L.shape[-1])
-        if i:
-            r = r - (L[i, :i].unsqueeze(1) * torch.stack(rows, 0)).sum(0)
-        rows.append(r / L[i, i])
-    return torch.stack(rows, 0)
+def _chol_solve(L: torch.Tensor, r: torch.Tensor, n: Optional[int] = None) -> torch.Tensor:
+    """Solve (L L^T) x = r with the leading n x n block of the Cholesky factor L (N, N, B); r: (n, B)."""
+    n = L.shape[0] if n is None else n
+    if n == 0:
+        return r
+    L = L[:n, :n]
+    y = []
+    for i in range(n):                                                         # L y = r
+        acc = r[i]
+        for k in range(i):
+            acc = acc - L[i, k] * y[k]
+        y.append(acc / L[i, i])
+    x = [None] * n
+    for i in reversed(range(n)):                                               # L^T x = y
+        acc = y[i]
+        for k in range(i + 1, n):
+            acc = acc - L[k, i] * x[k]
+        x[i] = acc / L[i, i]
+    return torch.stack(x, 0)
 
 
 def _matvec(M: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -190,9 +199,7 @@ def implicit_step(c: NodalConstants, der: FastDerived, Q, V, u, udot, fext, h: f
     r2 = -sw * _gather((e * dvs).sum(0), c.G_i, c.G_w)
     Vs = V + dV0
     if c.Cb_q.shape[0] == 0:
-        L = _cholesky(C)
-        Li = _tril_inverse(L)
-        nu = _matvec(Li.transpose(0, 1), _matvec(Li, r2))
+        nu = _chol_solve(_cholesky(C), r2)
         seg = _gather(sw * nu, c.Gt_i, c.Gt_w)
         V1 = Vs + _dense(_gather(seg * e, c.Cs_q_i, c.Cs_q_w), der.Minv)
         return Q + h * V1, V1, None
@@ -210,15 +217,12 @@ def implicit_step(c: NodalConstants, der: FastDerived, Q, V, u, udot, fext, h: f
     Pw = _gather(der.Hbs * de, c.G_i, c.G_w) * sw.unsqueeze(0)                # (nb, S, B)
     K = torch.cat((torch.cat((A, Pw), 1), torch.cat((Pw.transpose(0, 1), C), 1)), 0)
     L = _cholesky(K)
-    Li = _tril_inverse(L)
-    sol = _matvec(Li.transpose(0, 1), _matvec(Li, torch.cat((r1, r2), 0)))
+    sol = _chol_solve(L, torch.cat((r1, r2), 0))
     nb = A.shape[0]
     mu, nu = sol[:nb], sol[nb:]
     seg = _gather(sw * nu, c.Gt_i, c.Gt_w)                                    # (ns, B)
     V1 = Vs + _dense(mu * d, der.Pt) + _dense(_gather(seg * e, c.Cs_q_i, c.Cs_q_w), der.Minv)
-    LiA = Li[:nb, :nb]
-    Ainv = (LiA.unsqueeze(2) * LiA.unsqueeze(1)).sum(0)                       # LiA^T LiA
-    return Q + h * V1, V1, Ainv
+    return Q + h * V1, V1, (lambda r: _chol_solve(L, r, nb))
 
 
 def step(c: NodalConstants, der: FastDerived, Q, V, u, udot, fext, dt: float, integrator: str, opts: Options):
@@ -228,6 +232,7 @@ def step(c: NodalConstants, der: FastDerived, Q, V, u, udot, fext, dt: float, in
     else:
         integrate = integrators.get(integrator)
         Q1, V1, Ainv = integrate(Q, V, lambda q, v: accelerations(c, der, q, v, u, udot, fext, opts), dt)
+        Ainv = None if Ainv is None else (lambda r, M=Ainv: _matvec(M, r))
     return project(c, der, Q1, V1, Ainv, opts.projection_iters)
 
 

@@ -338,7 +338,7 @@ def implicit_step(c: NodalConstants, der: Derived, Q, V, u, udot, fext, h: float
     g = (c.Gt.unsqueeze(-2) * st.e.unsqueeze(-3)) @ c.Cs_q
     sw = torch.sqrt(h * der.zeta * (st.tension > 0).to(Q.dtype))    # (B, S)
     gw = g * sw.unsqueeze(-1).unsqueeze(-1)
-    Mgw = gw @ der.Minv                                             # M^-1 G w^1/2 (B, S, 3, nf)
+    Mgw = gw @ (der.Minv if der.Minv.dim() == 2 else der.Minv.unsqueeze(-3))  # M^-1 G w^1/2 (B, S, 3, nf)
     nc = gw.shape[-3]
     C = torch.eye(nc, dtype=Q.dtype, device=Q.device) + torch.einsum("...cki,...dki->...cd", gw, Mgw)
     r2 = -torch.einsum("...cki,...ki->...c", gw, dV0)

@@ -24,8 +24,8 @@ import numpy as np
 
 from .errors import DataError
 
-__all__ = ["DataError", "Dataset", "Window", "Derivatives", "ScreenReport", "make_dataset", "derivatives", "cut_windows", "screen_dataset",
-           "add_marker_noise", "drop_frames"]
+__all__ = ["DataError", "Dataset", "Window", "Derivatives", "ScreenReport", "make_dataset", "derivatives",
+           "cut_windows", "screen_dataset", "add_marker_noise", "drop_frames"]
 
 
 @dataclass(frozen=True)

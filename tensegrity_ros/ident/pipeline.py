@@ -11,7 +11,6 @@ unless ``raise_errors``: a poisoned window gives ``ok=False`` with a typed ``err
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from contextlib import contextmanager
@@ -46,6 +45,7 @@ class IdentifyOptions:
     known / ties / total_mass: exactly known values, shared values, the scale anchor (see the stages).
     estimate_delay / delay_s: motor-to-mocap delay (estimated in stage 2; stage 1 uses ``delay_s``).
     noise_std_m: marker noise (None: estimated from the residuals).
+    prior_std: stage 2's Gaussian prior around its starting values, per kind (see :class:`RefineOptions`).
     derivative_method / smooth_window_s: derivative estimates (see :func:`~tensegrity_ros.ident.data.derivatives`).
     window_s / max_windows / sim_dt / optimize_initial_states / max_iter / optimizer / max_time_s:
         the main stage-2 knobs; ``refine`` and ``regression``: any other field of
@@ -72,6 +72,7 @@ class IdentifyOptions:
     estimate_delay: bool = False
     delay_s: float = 0.0
     noise_std_m: Optional[float] = None
+    prior_std: Mapping[str, float] = field(default_factory=dict)
     derivative_method: str = "auto"
     smooth_window_s: Optional[float] = None
     window_s: float = 0.25
@@ -107,8 +108,11 @@ class IdentificationResult:
 
     ok: False when the data were refused or a stage failed (then ``params`` is the prior and ``error`` the
         typed exception); params: identified params (unbatched, float64, CPU).
-    std_devs / identifiability / identifiable: by parameter name (estimated parameters only; ``delay_s``
-        when estimated). identifiability in [0, 1]; 0 = not identifiable from these data.
+    std_devs: by parameter name, finite values only (estimated parameters whose std is determined: ready
+        for ``engine.apply_to_structure``); ``undetermined``: estimated parameters without a finite std
+        (not excited by the data, kept at the prior); ``delay_std_s``: the delay's std when estimated.
+    identifiability / identifiable: by name (``delay_s`` included when estimated), in [0, 1]; 0 = not
+        identifiable from these data.
     ratios: ``{"a/b": (value, std)}`` when only ratios are identifiable (scale gauge), e.g.
         ``s1.stiffness/rod.mass``.
     non_identifiable: readable non-identifiable / weakly identifiable combinations.
@@ -134,6 +138,8 @@ class IdentificationResult:
     error: Optional[Exception] = None
     regression: Optional[RegressionResult] = None
     refinement: Optional[RefineResult] = None
+    delay_std_s: Optional[float] = None
+    undetermined: List[str] = field(default_factory=list)
 
     def values(self) -> Dict[str, float]:
         """name -> identified value (all parameters)."""
@@ -144,10 +150,17 @@ class IdentificationResult:
         lines = [f"identification {'OK' if self.ok else 'FAILED: ' + str(self.error)}; residual RMS "
                  f"{self.residual_rms_m * 1e3:.3f} mm; converged={self.converged}"]
         vals = self.values()
+        if self.delay_std_s is not None:
+            lines.append(f"  {'delay_s':28s} {self.delay_s:14.6g} +- {self.delay_std_s:.3g}")
         for n in self.std_devs:
-            v = vals.get(n, self.delay_s if n == "delay_s" else float("nan"))
-            flag = "" if self.identifiable.get(n, False) else "  (not identifiable individually)"
-            lines.append(f"  {n:28s} {v:14.6g} +- {self.std_devs[n]:.3g}  ident {self.identifiability.get(n, 0):.2f}{flag}")
+            v = vals.get(n, float("nan"))
+            score = self.identifiability.get(n, 0.0)
+            in_ratio = any(k.startswith(n + "/") or k.endswith("/" + n) for k in self.ratios)
+            flag = "" if self.identifiable.get(n, False) else (
+                "  (only ratios identifiable)" if in_ratio else
+                "  (not identifiable)" if score == 0.0 else "  (weakly identifiable)")
+            lines.append(f"  {n:28s} {v:14.6g} +- {self.std_devs[n]:.3g}  "
+                         f"ident {self.identifiability.get(n, 0):.2f}{flag}")
         for n, (v, s) in self.ratios.items():
             lines.append(f"  ratio {n:40s} {v:14.6g} +- {s:.3g}")
         for d in self.non_identifiable:
@@ -162,6 +175,7 @@ class IdentificationResult:
                 "identifiability": dict(self.identifiability), "identifiable": dict(self.identifiable),
                 "ratios": {k: list(v) for k, v in self.ratios.items()}, "non_identifiable": list(self.non_identifiable),
                 "residual_rms_m": self.residual_rms_m, "converged": self.converged, "delay_s": self.delay_s,
+                "delay_std_s": self.delay_std_s, "undetermined": list(self.undetermined),
                 "notes": list(self.notes), "timings": dict(self.timings)}
 
 
@@ -314,6 +328,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     optimize_initial_states=opts.optimize_initial_states, max_iter=opts.max_iter,
                     optimizer=opts.optimizer, max_time_s=opts.max_time_s,
                     noise_std_m=opts.noise_std_m if opts.noise_std_m is not None else 1e-3,
+                    prior_std=dict(opts.prior_std),
                     derivative_method=opts.derivative_method, smooth_window_s=opts.smooth_window_s,
                     device=device), **dict(opts.refine)})
                 ref = refine(structure, datasets, start, fopts, backend=opts.backend, integrator=opts.integrator,
@@ -360,10 +375,20 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
             if not math.isfinite(rms) and "refine" in stages:
                 raise DivergenceError("non-finite prediction residual")
         timings["total"] = time.perf_counter() - t0
+        # std_devs: parameter names with finite values only (ready for apply_to_structure); the delay's std
+        # and the parameters the data do not determine are reported separately
+        delay_std = std.pop("delay_s", None)
+        undetermined = sorted(n for n, v in std.items() if not math.isfinite(v))
+        for n in undetermined:
+            std.pop(n)
+        if undetermined:
+            notes.append(f"no finite standard deviation (not determined by the data, kept at the prior): "
+                         f"{', '.join(undetermined)}")
         return IdentificationResult(ok=True, params=params, std_devs=std, identifiability=ident,
                                     identifiable=identifiable, ratios=ratios, non_identifiable=nonid,
                                     residual_rms_m=rms, history=history, converged=converged, delay_s=delay,
-                                    notes=notes, timings=timings, regression=reg, refinement=ref)
+                                    notes=notes, timings=timings, regression=reg, refinement=ref,
+                                    delay_std_s=delay_std, undetermined=undetermined)
     except (IdentificationError, RuntimeError, np.linalg.LinAlgError, FloatingPointError) as exc:
         if not isinstance(exc, IdentificationError):
             wrapped = DivergenceError(f"{type(exc).__name__}: {exc}")

@@ -7,7 +7,7 @@ with the measured ones where valid:
 
     loss = 1/n_obs sum_windows sum_samples sum_valid nodes |x_pred - x_meas|^2 / sigma^2
            [+ continuity_weight * |end state of window k - start state of window k+1|^2 / sigma^2]
-           [+ prior_weight * |z - z_prior|^2]
+           [+ 1/n_obs sum_k ((z_k - z_start,k) / s_k)^2]     (Gaussian prior, ``prior_std``)
 
 Optimised quantities (all unconstrained): the engine's unconstrained parameter vector (``to_unconstrained``:
 log stiffness, log damping, logit rest lengths, log masses, log spool radii, zero offsets, log control gain)
@@ -25,7 +25,8 @@ Optimisers: ``gauss_newton`` (default): Levenberg-Marquardt on the residuals wit
 eliminated by a Schur complement (the classical multiple-shooting Gauss-Newton; Jacobian columns from one
 batched rollout), ``lbfgs``: ``torch.optim.LBFGS`` with strong-Wolfe line search on the loss gradient from
 autograd, ``adam``: Adam with the lr halved every ``adam_halve_every`` iterations (the seed's schedule).
-On the noisy actuated-pendulum test Gauss-Newton converges ~15x faster than L-BFGS (2 s vs 32 s). Progress: ``callback(info)`` after every loss
+On the noisy actuated-pendulum test Gauss-Newton converges ~15x faster than L-BFGS (2 s vs 32 s).
+Progress: ``callback(info)`` after every loss
 evaluation with info = {stage, iteration, evaluation, loss, params (name -> value), delay_s, time_s}.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 from ..engine import REST_LENGTH_BOUNDS, Inputs, Params, from_unconstrained, make_engine, to_unconstrained
 from ..model import Structure
 from .data import Dataset, derivatives
-from .errors import DataError, DivergenceError, NotEnoughDataError
+from .errors import DivergenceError, NotEnoughDataError
 
 __all__ = ["RefineOptions", "RefineResult", "refine", "RefineProblem", "SCALE_KINDS"]
 
@@ -66,15 +67,20 @@ class RefineOptions:
     total_mass: scale anchor when only ratios are identifiable (default: the starting total moving mass).
     estimate_delay / delay_s: the motor-to-mocap delay (motor angles used at t - delay), s, and its start.
     window_s / stride_s / max_windows: multiple-shooting windows (length, spacing, cap; evenly spread).
-    sim_dt: engine step, s (default: the median sampling period divided into steps <= max_sim_dt); the
-        predictions are interpolated linearly between steps at the (possibly irregular) sample times.
+    sim_dt: engine step, s (default: the median sampling period divided into steps no longer than
+        max_sim_dt and 1.5 / w_max, w_max an upper bound of the model's highest natural frequency, see
+        :func:`max_frequency`: semi-implicit Euler needs h < 2 / w_max); the predictions are interpolated
+        linearly between steps at the (possibly irregular) sample times.
     optimize_initial_states: per-window initial position/velocity offsets are optimised too.
     continuity_weight: weight of the window-to-window continuity penalty (needs contiguous windows).
-    prior_weight: weight of |z - z_start|^2 on the free unconstrained parameters (regularisation).
+    prior_std: Gaussian prior around the starting values, per kind: relative for log-parametrised kinds
+        (``{"stiffness": 0.2}`` = 20 %), metres for ``rest_length``, rad for ``zero_offset`` (MAP estimate;
+        parameters the data do not determine then stay near the nominal model and their covariance says so).
     noise_std_m: the position noise that normalises the loss (and the covariance when not estimated).
     optimizer: ``lbfgs`` | ``adam`` | ``gauss_newton`` (Levenberg-Marquardt on the multiple-shooting
         residuals, window starts eliminated by a Schur complement; ``jacobian`` = ``central`` or
-        ``forward_ad``); max_iter: iterations; lr: step (1 for L-BFGS, 0.05 for Adam by default); tolerance_grad / tolerance_change: L-BFGS stops; history_size: L-BFGS memory;
+        ``forward_ad``); max_iter: iterations; lr: step (1 for L-BFGS, 0.05 for Adam by default);
+        tolerance_grad / tolerance_change: L-BFGS stops; history_size: L-BFGS memory;
         stall_evaluations / stall_tolerance / stall_chi2: stop (converged) after this many evaluations
         without an improvement of the best loss by more than stall_tolerance (relative) and more than a
         chi^2 change of stall_chi2 (i.e. stall_chi2 / (3 n_obs) in the normalised loss).
@@ -99,7 +105,7 @@ class RefineOptions:
     max_sim_dt: float = 2e-3
     optimize_initial_states: bool = True
     continuity_weight: float = 0.0
-    prior_weight: float = 0.0
+    prior_std: Mapping[str, float] = field(default_factory=dict)
     noise_std_m: float = 1e-3
     optimizer: str = "gauss_newton"
     max_iter: int = 50
@@ -157,6 +163,32 @@ class RefineResult:
 # =====================================================================================================
 # problem setup
 # =====================================================================================================
+def max_frequency(top, params: Params, positions: Optional[np.ndarray] = None) -> float:
+    """Upper bound of the highest natural frequency (rad/s) of the nodal model: sqrt of the largest
+    generalised eigenvalue of the strings' axial stiffness K = sum_c k_c g_c g_c^T (g_c = dL_c/dQ) against
+    the reduced mass matrix, bar constraints ignored (constraints can only lower it)."""
+    import scipy.linalg
+    X = top.X0 if positions is None else positions
+    k = params.stiffness.detach().cpu().double().numpy().reshape(-1)
+    m = params.mass.detach().cpu().double().numpy().reshape(-1)
+    nf = top.n_free
+    s = X[top.seg_nodes[:, 1]] - X[top.seg_nodes[:, 0]]
+    e = s / np.linalg.norm(s, axis=1, keepdims=True)
+    Csq = top.Cs_q                                              # (n_seg, nf)
+    K = np.zeros((3 * nf, 3 * nf))
+    for c in range(top.n_strings):
+        segs = np.flatnonzero(top.G[:, c])
+        g = np.einsum("sf,sk->fk", Csq[segs], e[segs]).reshape(-1)
+        K += k[c] * np.outer(g, g)
+    Mq = np.einsum("b,bfg->fg", m, top.E_q)
+    M = np.kron(Mq, np.eye(3))
+    try:
+        ev = scipy.linalg.eigh(K, M, eigvals_only=True)
+        return float(math.sqrt(max(ev.max(), 0.0)))
+    except Exception:  # singular mass matrix (massless node): no bound
+        return float("inf")
+
+
 def _groups(names: List[str], free_names: List[str], ties) -> List[List[int]]:
     index = {n: k for k, n in enumerate(names)}
     kinds = [n.rpartition(".")[2] if "." in n else n for n in names]
@@ -235,6 +267,20 @@ class RefineProblem:
                 sc = LOG_UNIT
             K[mem, g] = sc
         self.K = K
+        # Gaussian prior precision (per unconstrained entry, in z units)
+        prec = np.zeros(P)
+        for k, kind in enumerate(kinds):
+            sd = opts.prior_std.get(kind)
+            if sd is None or not (sd > 0):
+                continue
+            if kind == "rest_length":
+                el = start.meta.strings.index(self.names[k].rpartition(".")[0])
+                sg = 1.0 / (1.0 + math.exp(-zs[k]))
+                dxdz = (REST_LENGTH_BOUNDS[1] - REST_LENGTH_BOUNDS[0]) * nom[el] * sg * (1 - sg)
+                prec[k] = (dxdz / sd) ** 2
+            else:
+                prec[k] = 1.0 / sd ** 2
+        self.prior_prec = torch.as_tensor(prec, dtype=opts.dtype, device=dev)
         # scale gauge
         scale_dir = torch.tensor([1.0 if k in SCALE_KINDS else 0.0 for k in kinds], dtype=opts.dtype, device=dev)
         for b, mv in enumerate(movable):  # immovable masses do not carry the scale
@@ -271,7 +317,10 @@ class RefineProblem:
         if opts.sim_dt is not None:
             self.sim_dt = float(opts.sim_dt)
         else:
-            self.sim_dt = dt_obs / max(1, int(math.ceil(dt_obs / opts.max_sim_dt - 1e-9)))
+            # semi-implicit Euler is stable for h < 2 / w_max: keep h <= 1.5 / w_max (and <= max_sim_dt)
+            w_max = max_frequency(top, self.template)
+            h_max = min(opts.max_sim_dt, 1.5 / w_max if w_max > 0 else opts.max_sim_dt)
+            self.sim_dt = dt_obs / max(1, int(math.ceil(dt_obs / h_max - 1e-9)))
         H = max(1, int(round(opts.window_s / dt_obs)))
         stride = H if opts.stride_s is None else max(1, int(round(opts.stride_s / dt_obs)))
         self.H = H
@@ -531,7 +580,8 @@ class RefineProblem:
         All columns are evaluated in ONE engine rollout whose batch holds a copy of every window per
         column: ``forward_ad`` (exact, dual numbers: each copy carries its own tangent), ``central``
         (central differences, step 1e-5 in the scaled units: 1e-6 relative; primal-only and several times
-        faster than dual numbers in torch) or ``forward`` (one-sided, step 1e-6: half the copies). Window k's residuals depend only on its own initial state, so
+        faster than dual numbers in torch) or ``forward`` (one-sided, step 1e-6: half the copies).
+        Window k's residuals depend only on its own initial state, so
         one column per initial-state coordinate (shared by all windows) gives every window's block.
         """
         n_w = w.numel()
@@ -588,9 +638,9 @@ class RefineProblem:
                                      x0[b, :, :3] * X0_UNIT_M))
             gap = Xend[a] - X0n
             L = L + opts.continuity_weight * (gap * gap).sum() / (len(self.contiguous) * opts.noise_std_m ** 2)
-        if opts.prior_weight > 0:
+        if bool((self.prior_prec > 0).any()):
             dz = self.z_of(w) - self.z_start
-            L = L + opts.prior_weight * (dz * dz).sum()
+            L = L + (self.prior_prec * dz * dz).sum() / max(self.n_obs, 1)
         return L
 
 
@@ -772,14 +822,15 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
     nb = prob.B.shape[1]
     KB = prob.K @ prob.B
     n_w = w.numel()
+    has_prior = bool((prob.prior_prec > 0).any())
 
     def f_of(wv, xv):
         with torch.no_grad():
             r = prob.residuals(wv, xv)
             f = float((r * r).sum())
-            if opts.prior_weight > 0:
+            if has_prior:
                 dz = KB @ wv[:nb]
-                f += opts.prior_weight * norm * float(dz @ dz)
+                f += sig2 * float((prob.prior_prec * dz * dz).sum())
         return f
 
     lam = opts.lm_lambda
@@ -797,8 +848,8 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
             return False
         Hww = torch.einsum("bri,brj->ij", Jw, Jw)
         gw = torch.einsum("bri,br->i", Jw, r)
-        if opts.prior_weight > 0:
-            Hp = opts.prior_weight * norm * (KB.T @ KB)
+        if has_prior:
+            Hp = sig2 * (KB.T @ (prob.prior_prec[:, None] * KB))
             Hww[:nb, :nb] += Hp
             gw[:nb] += Hp @ w.detach()[:nb]
         if Je is not None:

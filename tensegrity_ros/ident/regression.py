@@ -37,7 +37,6 @@ correlated over the smoothing window); ``"auto"`` picks cluster for smoothed dat
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -113,7 +112,8 @@ class RegressionOptions:
     def __post_init__(self):
         bad = [k for k in self.estimate if k not in REGRESSION_KINDS]
         if bad:
-            raise ValueError(f"RegressionOptions.estimate: unknown kind(s) {bad} (valid: {', '.join(REGRESSION_KINDS)})")
+            raise ValueError(f"RegressionOptions.estimate: unknown kind(s) {bad} "
+                             f"(valid: {', '.join(REGRESSION_KINDS)})")
         if self.string_gate not in ("taut", "tension"):
             raise ValueError(f"RegressionOptions.string_gate = {self.string_gate!r} (valid: taut, tension)")
         if self.covariance not in ("iid", "cluster", "auto"):
@@ -377,7 +377,8 @@ def _design(top: Topology, S: _Samples, Z: np.ndarray, cur: Dict[str, np.ndarray
         cg = np.where(cur["damping"] >= 0, cur["damping"], cur["prior_damping"])
         tension = kg[None] * a + cg[None] * Dd
         gate = ((tension > 0) & ((D > 0) | (gate_mode == "tension"))).astype(float)
-    patt = -np.einsum("sc,sf,tsk->tcfk", top.G, top.Cs_q, e, optimize=True)        # (n, S, nf, 3) reduced unit-tension forces
+    # (n, S, nf, 3) reduced unit-tension nodal forces of each composite string
+    patt = -np.einsum("sc,sf,tsk->tcfk", top.G, top.Cs_q, e, optimize=True)
     def column(kind, el):
         if kind == "mass":
             return Eq[el] @ S.A - top.W_q[:, el][None, :, None] * top.gravity[None, None]

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..engine.params import REST_LENGTH_BOUNDS, TRANSFORMS
-from .refine import DELAY_UNIT_S, X0_UNIT_M, RefineProblem
+from .refine import DELAY_UNIT_S, RefineProblem
 from .regression import identifiability_reference
 
 __all__ = ["Covariance", "jacobian", "gauss_newton_covariance", "physical_jacobian_diag"]
@@ -147,6 +147,12 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
         rall = prob.residuals(w, None if x0 is None else x0.detach())
         rss = float((rall * rall).sum())
     sigma = noise_std_m if noise_std_m is not None else math.sqrt(rss / max(n_res - n_unknown, 1))
+    if bool((prob.prior_prec > 0).any()):
+        # the Gaussian prior's information (same units as J^T J: divided by sigma^2 below)
+        KBt = (prob.K @ prob.B)
+        Hp = (sigma ** 2) * (KBt.T @ (prob.prior_prec[:, None] * KBt))
+        Hww = Hww.clone()
+        Hww[:nb, :nb] += Hp.to(Hww.dtype)
     H = Hww.detach().cpu().double().numpy()
     ev, V = np.linalg.eigh(H)
     emax = ev.max() if ev.size else 0.0

@@ -117,7 +117,7 @@ class MocapIngestNode(C.GraphNode):
                                    f"({C.TOPICS['plate_c1']}, {C.TOPICS['plate_c2']})")
         self.markers_topic = C.TOPICS["markers"]
         self.sub = self.create_subscription(PoseArray, self.markers_topic, self._on_markers,
-                                            C.stream_qos(p["qos_reliability"]))
+                                            C.stream_qos(p["qos_reliability"]), raw=True)
         if Trigger is not None:
             self.srv = self.create_service(Trigger, "~/refresh_transform", self._on_refresh_srv)
         else:
@@ -127,12 +127,12 @@ class MocapIngestNode(C.GraphNode):
                                f"markers on {self.sub.topic_name}")
 
     # ---- data path ----------------------------------------------------------------------------------
-    def _on_markers(self, msg: PoseArray, info=None) -> None:
+    def _on_markers(self, data: bytes, info=None) -> None:
+        """A PoseArray, subscribed raw (serialised) and decoded with numpy (see _common's fast codecs)."""
         t_in = time.perf_counter()
         self.seq.update_info(self.markers_topic, info)
         self.rate.tick()
-        stamp, markers = C.markers_from_pose_array(msg)
-        self.mocap_frame = msg.header.frame_id
+        stamp, markers, self.mocap_frame = C.markers_from_cdr(data)
         with self._lock:
             try:
                 sample = self.ingest.add_frame(stamp, markers)
@@ -144,12 +144,13 @@ class MocapIngestNode(C.GraphNode):
                 return
         self.frames += 1
         self.last_sample = sample
-        self.pub_states.publish(C.sample_to_node_states(sample))
+        self.pub_states.publish(C.sample_to_cdr(sample))
         self._publish_plates(sample)
         self.proc_time.add(time.perf_counter() - t_in)
 
     def _publish_plates(self, sample) -> None:
         frame = self.p["frame_id"]
+        tf = self.pub_tf is not None and self.p["publish_tf"]
         transforms = []
         for name, T in sample.plate_poses.items():
             if T is None:
@@ -157,8 +158,9 @@ class MocapIngestNode(C.GraphNode):
             pub = self.pub_plates.get(name)
             if pub is not None:
                 pub.publish(C.pose_stamped_from_matrix(sample.stamp, T, frame))
-            transforms.append(C.transform_stamped_from_matrix(sample.stamp, T, frame, name.lower()))
-        if self.pub_tf is not None and self.p["publish_tf"] and transforms:
+            if tf:
+                transforms.append(C.transform_stamped_from_matrix(sample.stamp, T, frame, name.lower()))
+        if transforms:
             self.pub_tf.publish(TFMessage(transforms=transforms))
 
     # ---- transform refresh ---------------------------------------------------------------------------

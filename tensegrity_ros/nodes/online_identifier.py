@@ -339,7 +339,7 @@ PARAMS = (
     ParamSpec("torch_threads", 1, "torch intra-op threads during an update", range=(1, 256), read_only=True),
     ParamSpec("worker", "process", "where updates run: process (a spawned child: never holds the callbacks' "
               "GIL) | thread", choices=C.WORKER_KINDS, read_only=True),
-    ParamSpec("worker_nice", 10, "niceness of the worker process (background work)", range=(0, 19),
+    ParamSpec("worker_nice", 5, "niceness of the worker process (background work)", range=(0, 19),
               read_only=True),
     ParamSpec("max_residual_ratio", 3.0, "reject a fit whose residual exceeds this x the recent accepted ones",
               range=(1.0, 1000.0)),
@@ -397,12 +397,14 @@ class OnlineIdentifierNode(C.GraphNode):
         self.history: List[Tuple[float, str, Dict[str, float], float, bool]] = []   # (t, id, values, residual, accepted)
         self._pool = C.make_worker(p["worker"], C.worker_init,
                                    (p["torch_threads"], p["worker_nice"] if p["worker"] == "process" else 0))
+        self.worker_pid = self._pool.submit(C.worker_pid).result()   # start it (imports) before data flows
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="online-identifier")
         self._future: Optional[Future] = None
 
         self.pub = self.counting_publisher(IdentifiedParameters, C.TOPICS["identified_parameters"], C.LATCHED_QOS)
-        self.create_subscription(NodeStates, C.TOPICS["node_states"], self._on_node_states, C.STREAM_QOS)
-        self.create_subscription(JointState, C.TOPICS["motor_states"], self._on_motor_states, C.STREAM_QOS)
+        self.create_subscription(NodeStates, C.TOPICS["node_states"], self._on_node_states, C.STREAM_QOS, raw=True)
+        self.create_subscription(JointState, C.TOPICS["motor_states"], self._on_motor_states, C.STREAM_QOS,
+                                 raw=True)
         self.create_service(SaveParameters, "~/save_parameters", self._on_save)
         self.create_service(LoadParameters, "~/load_parameters", self._on_load)
         self.timer = self.create_timer(p["update_period_s"], self._on_timer)
@@ -422,14 +424,14 @@ class OnlineIdentifierNode(C.GraphNode):
                             bounds_factor=p["bounds_factor"])
 
     # ---- inputs ---------------------------------------------------------------------------------------
-    def _on_node_states(self, msg, info=None) -> None:
+    def _on_node_states(self, data: bytes, info=None) -> None:
         self.seq.update_info(C.TOPICS["node_states"], info)
-        r = C.node_states_from_msg(msg)
+        r = C.node_states_from_cdr(data)
         self.window.add_nodes(r.stamp, r.names, r.positions, r.valid)
 
-    def _on_motor_states(self, msg, info=None) -> None:
+    def _on_motor_states(self, data: bytes, info=None) -> None:
         self.seq.update_info(C.TOPICS["motor_states"], info)
-        r = C.joint_state_from_msg(msg)
+        r = C.joint_state_from_cdr(data)
         self.window.add_motors(r.stamp, r.names, r.position)
 
     # ---- updates ----------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@
   ``link_path``): the ``dynamixel_driver`` node opens it like a real U2D2 port (``bus: real``,
   ``port: <link_path>``) and talks to it through the unmodified SDK.
 * A MuJoCo :class:`~tensegrity_ros.twin.sim.TwinSim` of the TRUE robot: ``true_model_file``, or the nominal
-  ``model_file`` with its string stiffnesses and dampings (``perturb_kinds``) perturbed by
-  ``perturb_fraction`` (random signs, seeded; :func:`perturb_structure`), so the identifier starts ~20 % off. It is stepped in real time
+  ``model_file`` with its string stiffnesses and dampings (``perturb_kinds``) scaled by 1 + 0.2 N(0, 1)
+  (``perturb_fraction``, seeded; :func:`tensegrity_ros.model.perturb.perturb_structure`), so the identifier
+  starts ~20 % (RMS) off. It is stepped in real time
   (``realtime_factor``) with the emulated motors' present angles setting the actuated rest lengths.
 * ``/mocap/markers`` (PoseArray) at ``mocap_rate_hz`` (120): one unlabelled marker per physical node, shuffled,
   in an OptiTrack-like frame (Y up, offset; ``mocap_frame``), with ``marker_noise_m`` and ``occlusion_prob``.
@@ -23,6 +24,7 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 from ..model import CoincidentConstraint, Structure, load_structure
+from ..model.perturb import perturb_structure
 from . import _common as C
 from ._common import ParamSpec
 
@@ -31,35 +33,6 @@ PERTURBABLE = ("stiffness", "damping", "mass")
 #: perturbed by default: masses are weighed on the bench (and with motion data alone a common scale of masses,
 #: stiffnesses and dampings is unobservable: the identification gauge)
 DEFAULT_PERTURBED = ("stiffness", "damping")
-
-
-def perturb_structure(structure: Structure, fraction: float = 0.2, seed: int = 0,
-                      kinds: Sequence[str] = DEFAULT_PERTURBED) -> Structure:
-    """The "true" robot: every string stiffness / damping and bar mass (as selected by ``kinds``) multiplied
-    by 1 + s * fraction * U(0.75, 1.25) with a random sign s (seeded), so each is about ``fraction`` off the
-    nominal. Rest lengths, geometry and actuators are kept (the file's pose stays near equilibrium)."""
-    import dataclasses
-
-    bad = set(kinds) - set(PERTURBABLE)
-    if bad:
-        raise ValueError(f"perturb kinds {sorted(bad)} (valid: {', '.join(PERTURBABLE)})")
-    if fraction == 0:
-        return structure
-    rng = np.random.default_rng(seed)
-
-    def factor():
-        return 1.0 + rng.choice((-1.0, 1.0)) * fraction * rng.uniform(0.75, 1.25)
-
-    strings = []
-    for s in structure.strings:
-        kw = {}
-        if "stiffness" in kinds:
-            kw["stiffness"] = s.stiffness * factor()
-        if "damping" in kinds:
-            kw["damping"] = s.damping * factor()
-        strings.append(dataclasses.replace(s, **kw))
-    bars = [dataclasses.replace(b, mass=b.mass * factor()) if "mass" in kinds else b for b in structure.bars]
-    return dataclasses.replace(structure, name=structure.name, strings=tuple(strings), bars=tuple(bars))
 
 
 def marker_node_indices(structure: Structure) -> np.ndarray:
@@ -78,8 +51,8 @@ PARAMS = (
     ParamSpec("model_file", "", "nominal structure YAML", check=C.required_file, read_only=True),
     ParamSpec("true_model_file", "", "structure YAML of the simulated (true) robot; '' = the perturbed nominal",
               check=C.file_exists, read_only=True),
-    ParamSpec("perturb_fraction", 0.2, "relative perturbation of the nominal for the true robot",
-              range=(0.0, 0.9), read_only=True),
+    ParamSpec("perturb_fraction", 0.2, "relative spread (1 sigma) of the true robot's parameters around the "
+              "nominal (model.perturb.perturb_structure)", range=(0.0, 0.9), read_only=True),
     ParamSpec("perturb_seed", 0, "seed of the perturbation", range=(0, 2 ** 31 - 1), read_only=True),
     ParamSpec("perturb_kinds", list(DEFAULT_PERTURBED), "parameter kinds perturbed", read_only=True,
               check=lambda v: None if set(v) <= set(PERTURBABLE) else f"subset of {', '.join(PERTURBABLE)}"),
@@ -122,7 +95,7 @@ class SimRobotNode(C.GraphNode):
             self.true_structure = load_structure(p["true_model_file"])
         else:
             self.true_structure = perturb_structure(self.nominal, p["perturb_fraction"], p["perturb_seed"],
-                                                    p["perturb_kinds"])
+                                                    tuple(p["perturb_kinds"]))
         s = self.true_structure
         tr = C.transform_from_list(p["mocap_frame"] or _default_frame())
         self.frame = MocapFrame(tr[0], tr[1])
@@ -208,11 +181,11 @@ class SimRobotNode(C.GraphNode):
         self.frames += 1
         m = markers_from_nodes(P, self.frame, self.marker_idx, self.p["marker_noise_m"], self.p["occlusion_prob"],
                                self.rng)
-        self.pub_markers.publish(C.markers_to_pose_array(stamp, m, self.p["mocap_frame_id"]))
+        self.pub_markers.publish(C.pose_array_to_cdr(stamp, m, self.p["mocap_frame_id"]))
         if self.pub_truth is not None:
             V = self.sim.node_velocities()
             self.last_truth = (stamp, P, V)
-            self.pub_truth.publish(C.node_states_to_msg(stamp, self.true_structure.node_names, P, V,
+            self.pub_truth.publish(C.node_states_to_cdr(stamp, self.true_structure.node_names, P, V,
                                                         np.ones(len(P), dtype=bool), "structure", "ground truth"))
 
     def _diagnostics(self) -> None:

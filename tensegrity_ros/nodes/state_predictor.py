@@ -255,25 +255,49 @@ class Linearization:
     """A nominal trajectory and its step Jacobians, sampled every ``dt`` from ``t0``.
 
     x: (K+1, n) nominal states [free-node positions (nf, 3) flattened, then velocities], m and m/s;
-    u: (K+1, A) motor angles held over each step (rad); A: (K, n, n); B: (K, n, A).
+    u: (K+1, A) motor angles held over each step (rad); ks: (P,) steps at which the Jacobians J (P, n, n + A)
+    = [A_k | B_k] were taken; :meth:`expand` interpolates them linearly to every step (A: (K, n, n),
+    B: (K, n, A)) -- done where they are used, so a worker process ships only the P sampled Jacobians.
     """
 
     t0: float
     dt: float
     x: np.ndarray
     u: np.ndarray
-    A: np.ndarray
-    B: np.ndarray
+    ks: np.ndarray
+    J: np.ndarray
     set_id: str
     compute_s: float
+    _A: Optional[np.ndarray] = None
+    _B: Optional[np.ndarray] = None
 
     @property
     def steps(self) -> int:
-        return int(self.A.shape[0])
+        return int(self.x.shape[0] - 1)
 
     @property
     def t_end(self) -> float:
         return self.t0 + self.steps * self.dt
+
+    def expand(self) -> "Linearization":
+        if self._A is None:
+            n, K, ks = self.x.shape[1], self.steps, self.ks
+            if ks.size == K:
+                J = self.J
+            else:
+                j = np.clip(np.searchsorted(ks, np.arange(K), side="right") - 1, 0, ks.size - 2)
+                w = ((np.arange(K) - ks[j]) / (ks[j + 1] - ks[j]))[:, None, None]
+                J = (1.0 - w) * self.J[j] + w * self.J[j + 1]
+            self._A, self._B = np.ascontiguousarray(J[:, :, :n]), np.ascontiguousarray(J[:, :, n:])
+        return self
+
+    @property
+    def A(self) -> np.ndarray:
+        return self.expand()._A
+
+    @property
+    def B(self) -> np.ndarray:
+        return self.expand()._B
 
 
 class HorizonPredictor:
@@ -412,12 +436,15 @@ class HorizonPredictor:
         key = tuple(float(v) for v in self.torch.cat([getattr(params, k).reshape(-1) for k in params.kinds()]))
         if key in self._auto_substeps:
             return self._auto_substeps[key]
-        n_sub = 1
-        while n_sub < 4096:
-            J = self._substep_jacobians(params, n_sub, X, Us, Uds, np.array([0]))[0, :, :self.n]
-            if np.abs(np.linalg.eigvals(J)).max() <= 1.0 + 1e-7:
-                break
+        def stable(n):
+            J = self._substep_jacobians(params, n, X, Us, Uds, np.array([0]))[0, :, :self.n]
+            return np.abs(np.linalg.eigvals(J)).max() <= 1.0 + 1e-7
+
+        n_sub = self.last_substeps or 1     # parameters change a little between sets: start from the last count
+        while n_sub < 4096 and not stable(n_sub):
             n_sub *= 2
+        while n_sub > 1 and stable(n_sub // 2):
+            n_sub //= 2
         self._auto_substeps = {key: n_sub}
         return n_sub
 
@@ -460,7 +487,10 @@ class HorizonPredictor:
 
         key = tuple(float(v) for v in self.torch.cat([getattr(params, k).reshape(-1) for k in params.kinds()]))
         if self._twin is None or key != self._twin_key:
-            self._twin = TwinSim(apply_to_structure(self.structure, params), timestep=self.twin_timestep)
+            # ungated (one MuJoCo call per chunk instead of a Python loop per millisecond): the gate only
+            # matters for slack strings that lengthen fast (docs/CONTRACTS.md)
+            self._twin = TwinSim(apply_to_structure(self.structure, params), timestep=self.twin_timestep,
+                                 gate_slack=False)
             self._twin_key = key
         sim = self._twin
         sim.reset()
@@ -474,7 +504,7 @@ class HorizonPredictor:
         out = np.empty((steps + 1, self.n))
         P1, V1 = sim.node_positions(), sim.node_velocities()
         out[0] = np.concatenate([P1[self.free].reshape(-1), V1[self.free].reshape(-1)])
-        chunks = max(1, min(n_sub, int(round(self.dt / 0.002))))   # motor angles refreshed every ~2 ms
+        chunks = max(1, min(n_sub, int(round(self.dt / 0.005))))   # motor angles refreshed every ~5 ms
         bounds = np.linspace(0, n_sub, chunks + 1).round().astype(int)
         for k in range(steps):
             for c in range(chunks):
@@ -515,15 +545,8 @@ class HorizonPredictor:
         ks = np.unique(np.r_[np.arange(0, steps, self.jac_stride), steps - 1])
         Js = self.compose(self._substep_jacobians(params, n_sub, X, Us, Uds, ks), n_sub, self.n)
         self.last_substeps = n_sub
-        if ks.size == steps:
-            J = Js
-        else:
-            j = np.clip(np.searchsorted(ks, np.arange(steps), side="right") - 1, 0, ks.size - 2)
-            w = ((np.arange(steps) - ks[j]) / (ks[j + 1] - ks[j]))[:, None, None]
-            J = (1.0 - w) * Js[j] + w * Js[j + 1]
-        Amat, Bmat = J[:, :, :self.n], J[:, :, self.n:]
         Un = Us.numpy() if A_ else np.zeros((steps + 1, 0))
-        return Linearization(t0=float(t0), dt=self.dt, x=X.numpy(), u=Un, A=Amat, B=Bmat, set_id=set_id,
+        return Linearization(t0=float(t0), dt=self.dt, x=X.numpy(), u=Un, ks=ks, J=Js, set_id=set_id,
                              compute_s=time.perf_counter() - t_start)
 
     # ---- per message ----------------------------------------------------------------------------------------
@@ -580,6 +603,19 @@ class HorizonPredictor:
 # the relinearisation job (runs in the worker: a spawned process by default)
 # =====================================================================================================
 _WORKER_CORES: Dict[int, HorizonPredictor] = {}
+
+
+def core_job(key: int, structure: Structure, options: Dict[str, object]) -> int:
+    """Build the worker's predictor core ahead of the first relinearisation; returns the worker's pid."""
+    import os
+    if key not in _WORKER_CORES:
+        core = _WORKER_CORES[key] = HorizonPredictor(structure, **options)
+        # warm up: torch's first calls of each op and the stable substep count of the nominal parameters
+        n_u = core.n_u
+        core.linearize(core.engine.default_params(), 0.0, core.X0, np.zeros_like(core.X0),
+                       np.repeat(np.array([[a.zero_offset for a in structure.actuators]]), 12, axis=0) if n_u else None,
+                       11)
+    return os.getpid()
 
 
 def relinearize_job(key: int, structure: Structure, options: Dict[str, object], values: Dict[str, float], t0: float,
@@ -680,8 +716,9 @@ class StatePredictorNode(C.GraphNode):
             raise C.ParameterError(f"output_nodes {bad} are not nodes of {self.structure.name}")
 
         self.pub = self.counting_publisher(PredictedStates, C.TOPICS["predicted_states"], C.PREDICTION_QOS)
-        self.create_subscription(NodeStates, C.TOPICS["node_states"], self._on_node_states, C.STREAM_QOS)
-        self.create_subscription(JointState, C.TOPICS["motor_states"], self._on_motor_states, C.STREAM_QOS)
+        self.create_subscription(NodeStates, C.TOPICS["node_states"], self._on_node_states, C.STREAM_QOS, raw=True)
+        self.create_subscription(JointState, C.TOPICS["motor_states"], self._on_motor_states, C.STREAM_QOS,
+                                 raw=True)
         self.create_subscription(IdentifiedParameters, C.TOPICS["identified_parameters"], self._on_parameters,
                                  C.LATCHED_QOS)
         self._plan_type = "JointState"
@@ -695,13 +732,14 @@ class StatePredictorNode(C.GraphNode):
         self.timer = self.create_timer(p["diagnostics_period_s"], self._diagnostics)
         self._pool = C.make_worker(p["worker"], C.worker_init, (p["torch_threads"], 0))
         self._key = id(self)
+        self.worker_pid = self._pool.submit(core_job, self._key, self.structure, self.core_options).result()
         self._thread = threading.Thread(target=self._linearizer, name="state-predictor-linearizer", daemon=True)
         self._thread.start()
 
     # ---- inputs -------------------------------------------------------------------------------------------
-    def _on_motor_states(self, msg, info=None) -> None:
+    def _on_motor_states(self, data: bytes, info=None) -> None:
         self.seq.update_info(C.TOPICS["motor_states"], info)
-        r = C.joint_state_from_msg(msg)
+        r = C.joint_state_from_cdr(data)
         self.future.observe(r.stamp, r.names, r.position)
 
     def _on_parameters(self, msg) -> None:
@@ -789,26 +827,26 @@ class StatePredictorNode(C.GraphNode):
         values = {n: float(v) for n, v in params.named().items()}
         new = self._pool.submit(relinearize_job, self._key, self.structure, self.core_options, values, t0, P, V, u,
                                 K, set_id).result()
+        self._lin = new.expand()   # interpolate the Jacobians here, before the callbacks use them
         self.lin_time.add(time.perf_counter() - t_start)
-        self._lin = new
 
     def nominal_steps(self) -> int:
         """Prediction steps of the next nominal: the horizon + the margin (see ``nominal_margin_s``)."""
         p = self.p
         margin = p["nominal_margin_s"]
-        if margin <= 0:
+        if margin <= 0:   # capped: on a starved CPU a longer nominal only takes longer to compute
             last = self.lin_time.percentile(90) if self.lin_time.count else 0.6
-            margin = p["relinearize_period_s"] + 1.5 * last + 0.2
+            margin = min(p["relinearize_period_s"] + 1.5 * last + 0.2, p["relinearize_period_s"] + 2.0)
         return self.steps + max(2, int(math.ceil(margin / self.core.dt)))
 
     # ---- per message ---------------------------------------------------------------------------------------
-    def _on_node_states(self, msg, info=None) -> None:
+    def _on_node_states(self, data: bytes, info=None) -> None:
         t_in = time.perf_counter()
         t_rx_ns = time.time_ns()
         if info is not None and info.get("received_timestamp"):
             t_rx_ns = int(info["received_timestamp"])
         self.seq.update_info(C.TOPICS["node_states"], info)
-        rec = C.node_states_from_msg(msg)
+        rec = C.node_states_from_cdr(data)
         with self._lock:
             first = self._latest is None
             self._latest = rec

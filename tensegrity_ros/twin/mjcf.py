@@ -181,6 +181,9 @@ def build_layout(s: Structure) -> TwinLayout:
             w = np.linalg.eigvalsh(inertia)
             if w.min() <= 1e-9 * max(w.max(), 1e-12):  # collinear cluster: add the same tiny axial value
                 inertia = inertia + np.eye(3) * max(w.max() * AXIAL_INERTIA_RATIO, 1e-12)
+            # A planar cluster (a plate) has A + B = C exactly; rounding in the MJCF text can make MuJoCo's
+            # A + B >= C check fail, so give every axis a relative 1e-6 of margin (physically negligible).
+            inertia = inertia + np.eye(3) * 1e-6 * max(w.max(), 1e-12)
             name = "rigid_" + "_".join(b.name for b in bars)
         if name in used_names or name == WORLD:
             raise TwinBuildError(f"{s.source}: body name {name!r} is used twice")

@@ -1,0 +1,221 @@
+"""Engine throughput and accuracy vs the MuJoCo twin, side by side.
+
+    .venv/bin/python bench/bench_engine.py            # full run (compiles several graphs: ~10-20 min on 2 cores)
+    .venv/bin/python bench/bench_engine.py --quick    # batch 1 and 1024 only, no gradients
+
+``run() -> dict`` measures, for the icosahedron (explicit semi-implicit Euler) and the stacked manipulator
+(``implicit``: its strings are damped too hard for explicit steps at 1 ms), at dt = 1 ms:
+
+* engine steps/s (every batch item counts as a step) for batch 1, 64, 1024; eager and compiled
+  (``rollout(compile=True)``, batch-last fused path); without and with gradients (forward + backward of
+  a rollout loss, per step); float32 for throughput, as the float32 fast path;
+* the 1 s horizon at batch 1 (compiled, chunk of 8 steps per call, and eager), ms;
+* MuJoCo: a Python ``mj_step`` loop (one core) and ``mujoco.rollout`` with nthread = os.cpu_count();
+* agreement with the twin (node positions, mm) on the scenarios of test/test_engine_vs_mujoco.py.
+
+Writes ``build/bench/engine.json`` (keys per structure: engine_b1024_steps_per_s, mujoco_rollout_steps_per_s,
+ratio_b1024_vs_rollout, horizon_1s_b1_ms, max_abs_error_vs_mujoco_mm, and the details).
+Timings are the best of a few repeats (the machine may be shared).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / "build" / "torchinductor"))
+
+from tensegrity_ros.engine import Inputs, make_engine  # noqa: E402
+from tensegrity_ros.engine._common import setup_compile  # noqa: E402
+from tensegrity_ros.model import load_structure  # noqa: E402
+
+DT = 1e-3
+STRUCTURES = {"icosahedron": "semi_implicit", "stacked_manipulator": "implicit"}
+
+
+def _best(fn, repeats=3):
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32):
+    """item-steps per second of a rollout of ``steps`` steps at batch B."""
+    p = eng.default_params().map(lambda t: t.to(dtype))
+    s0 = eng.initial_state(batch=B).map(lambda t: t.to(dtype))
+    torch.manual_seed(0)
+    s0 = s0.replace(velocities=s0.velocities + 0.01 * torch.randn_like(s0.velocities))
+    s0 = eng.project(p, s0)
+
+    def once():
+        if grad:
+            k = p.stiffness.clone().requires_grad_(True)
+            out = eng.rollout(p.replace(stiffness=k), s0, None, DT, steps=steps, compile=compile, chunk=chunk)
+            out.positions.square().sum().backward()
+        else:
+            with torch.no_grad():
+                eng.rollout(p, s0, None, DT, steps=steps, compile=compile, chunk=chunk)
+
+    t0 = time.perf_counter()
+    once()  # warm-up (compiles)
+    warm = time.perf_counter() - t0
+    sec = _best(once)
+    return B * steps / sec, warm
+
+
+def _mujoco_rates(structure, steps=2000, batch=64, rollout_steps=500):
+    import mujoco
+    from mujoco import rollout as mjr
+
+    from tensegrity_ros.twin import TwinSim
+    sim = TwinSim(structure, timestep=DT)
+    m, d = sim.model, sim.data
+
+    def loop():
+        for _ in range(steps):
+            mujoco.mj_step(m, d)
+
+    step_rate = steps / _best(loop)
+    spec = mujoco.mjtState.mjSTATE_FULLPHYSICS
+    st = np.zeros((1, mujoco.mj_stateSize(m, spec)))
+    mujoco.mj_getState(m, d, st[0], spec)
+    st = np.repeat(st, batch, 0)
+    ctrl = np.repeat(d.ctrl[None, None, :], batch, 0).repeat(rollout_steps, 1)
+    nthread = os.cpu_count() or 1
+    datas = [mujoco.MjData(m) for _ in range(nthread)]
+    with mjr.Rollout(nthread=nthread) as r:
+        r.rollout(m, datas, st, ctrl)
+        sec = _best(lambda: r.rollout(m, datas, st, ctrl))
+    return step_rate, batch * rollout_steps / sec, nthread
+
+
+def _agreement(name, structure):
+    """Engine vs twin node positions (mm): the test scenarios."""
+    from tensegrity_ros.twin import TwinSim
+    out = {}
+    if name == "icosahedron":
+        s = dataclasses.replace(structure, gravity=(0.0, 0.0, 0.0))
+        X0 = np.array([n.position for n in s.nodes])
+        V0 = np.random.default_rng(0).normal(0.0, 0.5, X0.shape)
+        n, u, ud, cases = 2000, None, None, [("implicitfast", 1)]
+        integ = "semi_implicit"
+    else:
+        from tensegrity_ros import references as R
+        s = structure
+        X0 = np.array([nd.position for nd in s.nodes])
+        V0 = np.zeros_like(X0)
+        n = 7000
+        t = DT * np.arange(n)
+        ref = R.seed_reference()
+        u, ud = R.motor_angles(ref, s, t), R.motor_velocities(ref, s, t)
+        cases = [("implicitfast", 1), ("implicitfast", 4)]
+        integ = "implicit"
+    eng = make_engine(s, "nodal", integ)
+    p = eng.default_params()
+    st = eng.project(p, eng.initial_state(torch.as_tensor(X0), torch.as_tensor(V0)))
+    inp = None if u is None else Inputs(motor_angles=torch.as_tensor(u).unsqueeze(1),
+                                        motor_velocities=torch.as_tensor(ud).unsqueeze(1))
+    xe = eng.rollout(p, st, inp, DT, steps=None if inp else n).positions[:, 0].numpy()
+    for integrator, sub in cases:
+        sim = TwinSim(s, timestep=DT / sub, integrator=integrator)
+        sim.set_node_state(st.positions[0].numpy(), st.velocities[0].numpy())
+        xm = np.empty_like(xe)
+        for k in range(n):
+            sim.step(None if u is None else u[k], sub, motor_velocities=None if ud is None else ud[k])
+            xm[k] = sim.node_positions()
+        e = np.linalg.norm(xe - xm, axis=-1)
+        out[f"mujoco_{integrator}_dt{DT / sub * 1e3:g}ms"] = {
+            "rms_mm": float(np.sqrt((e ** 2).mean()) * 1e3), "max_mm": float(e.max() * 1e3),
+            "duration_s": n * DT}
+    return out
+
+
+def run(structures=tuple(STRUCTURES), batches=(1, 64, 1024), grads=(False, True), compiled=(False, True),
+        threads=None, agreement=True, log=print) -> dict:
+    """Measure everything; returns (and writes) the result dict."""
+    setup_compile(recompile_limit=256)
+    if threads:
+        torch.set_num_threads(threads)
+    results = {"date": time.strftime("%Y-%m-%d"), "dt_s": DT, "torch_threads": torch.get_num_threads(),
+               "cpu_count": os.cpu_count(), "dtype": "float32", "torch": torch.__version__}
+    for name in structures:
+        integ = STRUCTURES[name]
+        s = load_structure(ROOT / "config" / "models" / f"{name}.yaml")
+        eng = make_engine(s, "nodal", integ, dtype=torch.float32)
+        r = {"integrator": integ, "engine": {}}
+        for comp in compiled:
+            for grad in grads:
+                for B in batches:
+                    steps = 100 if B <= 64 else 20
+                    if grad:
+                        steps = 20
+                    if not comp and B >= 1024:
+                        steps = 10
+                    rate, warm = _engine_rate(eng, B, steps, comp, grad)
+                    key = f"{'compiled' if comp else 'eager'}_{'grad' if grad else 'nograd'}_b{B}"
+                    r["engine"][key] = {"steps_per_s": rate, "warmup_s": warm}
+                    log(f"{name:20s} {key:26s} {rate:12.0f} item-steps/s   (first call {warm:.1f} s)")
+        # 1 s horizon at batch 1
+        horizon = {}
+        for label, comp, chunk in (("eager", False, 1), ("compiled_chunk1", True, 1), ("compiled_chunk8", True, 8)):
+            if comp and True not in compiled:
+                continue
+            p = eng.default_params()
+            s0 = eng.initial_state()
+            with torch.no_grad():
+                eng.rollout(p, s0, None, DT, steps=16, compile=comp, chunk=chunk)
+                sec = _best(lambda: eng.rollout(p, s0, None, DT, steps=1000, compile=comp, chunk=chunk), 2)
+            horizon[label] = sec * 1e3
+            log(f"{name:20s} 1 s horizon, batch 1, {label:16s} {sec * 1e3:8.1f} ms")
+        r["horizon_1s_b1_ms_by_path"] = horizon
+        r["horizon_1s_b1_ms"] = min(horizon.values())
+        mj_step, mj_roll, nthread = _mujoco_rates(s)
+        r["mujoco_mj_step_steps_per_s"] = mj_step
+        r["mujoco_rollout_steps_per_s"] = mj_roll
+        r["mujoco_rollout_nthread"] = nthread
+        log(f"{name:20s} MuJoCo mj_step loop {mj_step:10.0f} steps/s, rollout (nthread={nthread}) {mj_roll:10.0f}")
+        b1024 = [v["steps_per_s"] for k, v in r["engine"].items() if k.endswith("nograd_b1024")]
+        if b1024:
+            r["engine_b1024_steps_per_s"] = max(b1024)
+            r["ratio_b1024_vs_rollout"] = max(b1024) / mj_roll
+            log(f"{name:20s} batch 1024 / MuJoCo rollout = {r['ratio_b1024_vs_rollout']:.1f}x")
+        if agreement:
+            r["agreement"] = _agreement(name, s)
+            r["max_abs_error_vs_mujoco_mm"] = min(v["max_mm"] for v in r["agreement"].values())
+            for k, v in r["agreement"].items():
+                log(f"{name:20s} vs {k}: RMS {v['rms_mm']:.3f} mm, max {v['max_mm']:.3f} mm")
+        results[name] = r
+    out = ROOT / "build" / "bench" / "engine.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    log(f"wrote {out}")
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="batch 1 and 1024, no gradients")
+    ap.add_argument("--structures", nargs="*", default=list(STRUCTURES))
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--no-agreement", action="store_true")
+    a = ap.parse_args(argv)
+    kw = dict(structures=tuple(a.structures), threads=a.threads, agreement=not a.no_agreement)
+    if a.quick:
+        kw.update(batches=(1, 1024), grads=(False,))
+    run(**kw)
+
+
+if __name__ == "__main__":
+    main()
