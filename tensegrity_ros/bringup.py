@@ -217,6 +217,8 @@ class Graph:
     thread: Optional[threading.Thread] = None
     owns_context: bool = False
     t_start: float = 0.0
+    error: Optional[BaseException] = None
+    stopping: bool = False
 
     def spin_in_background(self) -> None:
         """Spin the executor in a thread and start the simulation (markers flow from now on)."""
@@ -225,8 +227,11 @@ class Graph:
         def spin():
             try:
                 self.executor.spin()
-            except Exception:  # pragma: no cover - executor shut down
-                pass
+            except Exception as e:  # pragma: no cover - the nodes guard their callbacks
+                if not self.stopping:
+                    self.error = e
+                    import logging
+                    logging.getLogger("tensegrity_ros.bringup").exception("executor stopped")
 
         self.thread = threading.Thread(target=spin, name="graph-executor", daemon=True)
         self.thread.start()
@@ -279,6 +284,7 @@ class Graph:
 
     def shutdown(self) -> None:
         """Stop everything: executor, nodes (torque off, emulator closed), context if owned."""
+        self.stopping = True
         try:
             self.executor.shutdown(timeout_sec=5.0)
         except Exception:

@@ -71,7 +71,7 @@ def test_spring_rod_vs_mujoco():
     xe, X0p, V0p = _engine(s, "spring_rod", "semi_implicit", X0, V0, 2000)
     xm = _mujoco(s, X0p, V0p, 2000, "RK4")
     rms, worst = _rms_mm(xe, xm)
-    print(f"spring-rod vs MuJoCo, 2 s: RMS {rms:.4f} mm, max {worst:.4f} mm")
+    print(f"spring-rod vs MuJoCo, 2 s: RMS {rms * 1e3:.3f} um, max {worst * 1e3:.3f} um")
     assert float(np.abs(xe[-1] - X0).max()) > 0.01  # it moved
     assert rms < 1.0
 

@@ -34,6 +34,8 @@ def test_decide_accepts_a_plausible_fit():
     (Candidate({"s1.rest_length": 2.0}, residual_m=1e-3), "s1.rest_length"),
     (Candidate({"s1.stiffness": 200.0}, residual_m=9e-3), "residual jump"),
     (Candidate({}, ok=False, error="DataError: bad window"), "DataError: bad window"),
+    (Candidate({"s1.stiffness": 210.0}, residual_m=1e-3, window_rms_m=5e-3, active_window_rms_m=4e-3),
+     "worse than the active set"),
 ])
 def test_decide_rejects_with_a_reason(cand, needle):
     d = decide(cand, NOMINAL, [1e-3, 1e-3, 1e-3], AcceptConfig())

@@ -392,13 +392,16 @@ class SpringRodEngine:
         return rod_step(self.constants, params, state, inputs, dt, self.integrator, self.options)
 
     def rollout(self, params: Params, state0: RodState, inputs: Optional[Inputs] = None, dt: float = 1e-3,
-                steps: Optional[int] = None) -> RodState:
-        """T steps (inputs with a leading T axis); returns RodStates stacked on a leading T axis."""
+                steps: Optional[int] = None, compile: bool = False, chunk: int = 1) -> RodState:
+        """T steps (inputs with a leading T axis); returns RodStates stacked on a leading T axis.
+        ``compile=True`` runs every step through :attr:`compiled_step` (``chunk`` is accepted for API symmetry
+        with the nodal engine and ignored)."""
         from .nodal import _horizon
         n = _horizon(inputs, steps)
+        stepper = self.compiled_step if compile else self.step
         out, s = [], state0
         for t in range(n):
-            s = self.step(params, s, None if inputs is None else inputs[t], dt)
+            s = stepper(params, s, None if inputs is None else inputs[t], dt)
             out.append(s)
         return RodState(*(torch.stack(xs) for xs in zip(*(
             (o.positions, o.velocities, o.rod_positions, o.rod_velocities, o.rod_orientations,

@@ -68,12 +68,14 @@ def _qos(depth: int, reliable: bool = True, latched: bool = False) -> QoSProfile
                       durability=DurabilityPolicy.TRANSIENT_LOCAL if latched else DurabilityPolicy.VOLATILE)
 
 
-#: 120 Hz mocap / node states, 80 Hz motor states: reliable with ~1 s of queue, so nothing is lost while a
-#: callback runs late; a loss (queue overflow) shows up as a publication-sequence gap.
-STREAM_QOS = _qos(128)
+#: 120 Hz mocap / node states, 80 Hz motor states: reliable with ~8 s of queue (1000 messages), so nothing is
+#: lost while the executor runs late (a worker starting, a CPU shared with other work); a loss (queue overflow)
+#: shows up as a publication-sequence gap.
+STREAM_DEPTH = 1000
+STREAM_QOS = _qos(STREAM_DEPTH)
 #: the same depth, best effort: for mocap drivers that publish best effort (a reliable reader would not
 #: match them); drops are still counted from sequence numbers.
-STREAM_QOS_BEST_EFFORT = _qos(128, reliable=False)
+STREAM_QOS_BEST_EFFORT = _qos(STREAM_DEPTH, reliable=False)
 #: predictions (large messages): reliable, shorter queue
 PREDICTION_QOS = _qos(32)
 #: identified parameter sets: reliable and latched (a late subscriber gets the recent sets, the last one current)
@@ -253,6 +255,8 @@ class GraphNode(Node):
         self._diag_pub = self.create_publisher(DiagnosticArray, TOPICS["diagnostics"], DIAG_QOS)
         self.publishers_by_topic: Dict[str, CountingPublisher] = {}
         self.fault: Optional[BaseException] = None
+        self.callback_errors = 0
+        self.last_callback_error = ""
 
     # ---- parameters -------------------------------------------------------------------------
     def on_parameter_change(self, name: str, value: Any) -> Optional[str]:
@@ -277,6 +281,46 @@ class GraphNode(Node):
                 self.p[prm.name] = list(prm.value) if isinstance(prm.value, (list, tuple)) else prm.value
         return SetParametersResult(successful=True)
 
+    # ---- guarded callbacks --------------------------------------------------------------------
+    def guard(self, fn: Callable, arity: int) -> Callable:
+        """``fn`` wrapped so that an exception is logged and counted (``callback_errors``, shown in the
+        node's diagnostics) instead of escaping into the executor, where it would stop every node's
+        callbacks. ``arity``: 0 (timer), 1 (message) or 2 (message, MessageInfo: rclpy passes the info to
+        two-parameter callbacks)."""
+        def report(e: Exception) -> None:
+            self.callback_errors += 1
+            self.last_callback_error = f"{getattr(fn, '__name__', 'callback')}: {type(e).__name__}: {e}"
+            self.get_logger().error(self.last_callback_error, throttle_duration_sec=5.0)
+
+        if arity == 0:
+            def wrapped():
+                try:
+                    return fn()
+                except Exception as e:  # noqa: BLE001 - reported, never kills the executor
+                    report(e)
+        elif arity == 1:
+            def wrapped(msg):
+                try:
+                    return fn(msg)
+                except Exception as e:  # noqa: BLE001
+                    report(e)
+        else:
+            def wrapped(msg, info):
+                try:
+                    return fn(msg, info)
+                except Exception as e:  # noqa: BLE001
+                    report(e)
+        return wrapped
+
+    def subscribe(self, msg_type, topic: str, callback: Callable, qos, *, raw: bool = False, info: bool = True):
+        """A guarded subscription; ``callback(msg, info)`` (MessageInfo: sequence numbers for drop counting)
+        unless ``info`` is False."""
+        return self.create_subscription(msg_type, topic, self.guard(callback, 2 if info else 1), qos, raw=raw)
+
+    def every(self, period_s: float, callback: Callable):
+        """A guarded timer."""
+        return self.create_timer(period_s, self.guard(callback, 0))
+
     # ---- publishing --------------------------------------------------------------------------
     def counting_publisher(self, msg_type, topic: str, qos: QoSProfile) -> "CountingPublisher":
         pub = CountingPublisher(self.create_publisher(msg_type, topic, qos))
@@ -284,9 +328,17 @@ class GraphNode(Node):
         return pub
 
     def publish_diagnostics(self, statuses: Iterable[DiagnosticStatus]) -> None:
+        """Publish on /diagnostics; a node whose callbacks raised says so (count, last error, level >= WARN)."""
         arr = DiagnosticArray()
         arr.header.stamp = self.get_clock().now().to_msg()
         arr.status = list(statuses)
+        for st in arr.status:
+            st.values.append(KeyValue(key="callback_errors", value=str(self.callback_errors)))
+            if self.callback_errors:
+                st.values.append(KeyValue(key="last_callback_error", value=self.last_callback_error))
+                if st.level == DiagnosticStatus.OK:
+                    st.level = DiagnosticStatus.WARN
+                    st.message = f"{st.message}; {self.callback_errors} callback error(s)"
         self._diag_pub.publish(arr)
 
     def now_s(self) -> float:

@@ -116,13 +116,13 @@ class MocapIngestNode(C.GraphNode):
             self.get_logger().info("tf2_msgs is not installed: plate frames go out as PoseStamped only "
                                    f"({C.TOPICS['plate_c1']}, {C.TOPICS['plate_c2']})")
         self.markers_topic = C.TOPICS["markers"]
-        self.sub = self.create_subscription(PoseArray, self.markers_topic, self._on_markers,
-                                            C.stream_qos(p["qos_reliability"]), raw=True)
+        self.sub = self.subscribe(PoseArray, self.markers_topic, self._on_markers, C.stream_qos(p["qos_reliability"]),
+                                  raw=True)
         if Trigger is not None:
             self.srv = self.create_service(Trigger, "~/refresh_transform", self._on_refresh_srv)
         else:
-            self.srv = self.create_subscription(Empty, "~/refresh_transform", self._on_refresh_topic, 10)
-        self.timer = self.create_timer(p["diagnostics_period_s"], self._diagnostics)
+            self.srv = self.subscribe(Empty, "~/refresh_transform", self._on_refresh_topic, 10, info=False)
+        self.timer = self.every(p["diagnostics_period_s"], self._diagnostics)
         self.get_logger().info(f"{self.structure.name}: {len(self.ingest.names)} marker nodes; waiting for "
                                f"markers on {self.sub.topic_name}")
 

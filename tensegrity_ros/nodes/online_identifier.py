@@ -51,6 +51,9 @@ class Candidate:
     ok: bool = True
     error: str = ""
     converged: bool = True
+    #: open-loop prediction RMS (m) over the same windows of this fit and of the active (last good) set
+    window_rms_m: float = math.nan
+    active_window_rms_m: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -63,10 +66,13 @@ class AcceptConfig:
     (damping: [0, max(nominal x f, damping_floor)]); rest_lengths within ``rest_length_bounds`` x nominal
     (the engine's); zero offsets within ``zero_offset_range_rad`` of nominal. require_converged: refuse a
     fit whose optimiser did not converge (off by default: a few stage-2 iterations rarely converge fully).
+    worse_tolerance: a fit that predicts the window worse than the active set, open loop from the measured
+    window starts (``window_rms_m`` > (1 + tolerance) ``active_window_rms_m``), is refused: never a worse set.
     """
 
     max_residual_ratio: float = 3.0
     residual_floor_m: float = 2e-3
+    worse_tolerance: float = 0.02
     reference_sets: int = 5
     bounds_factor: float = 3.0
     damping_floor: float = 1.0
@@ -131,6 +137,10 @@ def decide(candidate: Candidate, nominal: Mapping[str, float], accepted_residual
         if candidate.residual_m > limit:
             reasons.append(f"residual jump: {candidate.residual_m * 1e3:.2f} mm > {limit * 1e3:.2f} mm "
                            f"({cfg.max_residual_ratio:g} x the recent {float(np.median(ref)) * 1e3:.2f} mm)")
+    if math.isfinite(candidate.window_rms_m) and math.isfinite(candidate.active_window_rms_m) and \
+            candidate.window_rms_m > (1.0 + cfg.worse_tolerance) * candidate.active_window_rms_m:
+        reasons.append(f"worse than the active set on this window: open-loop RMS {candidate.window_rms_m * 1e3:.2f} "
+                       f"mm vs {candidate.active_window_rms_m * 1e3:.2f} mm")
     if cfg.require_converged and not candidate.converged:
         reasons.append("the optimiser did not converge")
     return Decision(not reasons, tuple(reasons))
@@ -302,14 +312,25 @@ def fit_window(structure: Structure, times, positions, valid, motors, prior_valu
                           actuator_names=tuple(a.name for a in structure.actuators), name="online window")
         prior = params_from_structure(structure).with_values(dict(prior_values))
         res = pipeline.identify(structure, ds, stages=stages, options=options, prior=prior)
-        return {"ok": res.ok, "error": "" if res.error is None else f"{type(res.error).__name__}: {res.error}",
-                "values": res.values(), "std_devs": dict(res.std_devs), "identifiability": dict(res.identifiability),
-                "residual_m": float(res.residual_rms_m), "converged": bool(res.converged),
-                "timings": dict(res.timings), "notes": list(res.notes), "seconds": time.perf_counter() - t0}
+        out = {"ok": res.ok, "error": "" if res.error is None else f"{type(res.error).__name__}: {res.error}",
+               "values": res.values(), "std_devs": dict(res.std_devs), "identifiability": dict(res.identifiability),
+               "residual_m": float(res.residual_rms_m), "converged": bool(res.converged),
+               "timings": dict(res.timings), "notes": list(res.notes), "window_rms_m": math.nan,
+               "active_window_rms_m": math.nan}
+        if res.ok:   # the fit and the active set, open loop over the same windows: is the fit better?
+            from ..ident.refine import RefineOptions, RefineProblem
+            prob = RefineProblem(structure, [ds], prior, RefineOptions(
+                kinds=(), window_s=options.window_s, max_windows=options.max_windows, optimize_initial_states=False,
+                derivative_method=options.derivative_method, smooth_window_s=options.smooth_window_s,
+                delay_s=options.delay_s), backend=options.backend, integrator=options.integrator)
+            out["window_rms_m"] = prob.prediction_rms(res.params)
+            out["active_window_rms_m"] = prob.prediction_rms(prior)
+        out["seconds"] = time.perf_counter() - t0
+        return out
     except Exception as e:   # a refused window (e.g. non-finite motor angles): no set, say why
         return {"ok": False, "error": f"{type(e).__name__}: {e}", "values": {}, "std_devs": {},
                 "identifiability": {}, "residual_m": math.nan, "converged": False, "timings": {}, "notes": [],
-                "seconds": time.perf_counter() - t0}
+                "window_rms_m": math.nan, "active_window_rms_m": math.nan, "seconds": time.perf_counter() - t0}
 
 
 # =====================================================================================================
@@ -394,6 +415,7 @@ class OnlineIdentifierNode(C.GraphNode):
         self.last_window = (0.0, 0.0)
         self.last_samples = 0
         self.last_error = ""
+        self.last_timings: Dict[str, float] = {}
         self.history: List[Tuple[float, str, Dict[str, float], float, bool]] = []   # (t, id, values, residual, accepted)
         self._pool = C.make_worker(p["worker"], C.worker_init,
                                    (p["torch_threads"], p["worker_nice"] if p["worker"] == "process" else 0))
@@ -402,13 +424,12 @@ class OnlineIdentifierNode(C.GraphNode):
         self._future: Optional[Future] = None
 
         self.pub = self.counting_publisher(IdentifiedParameters, C.TOPICS["identified_parameters"], C.LATCHED_QOS)
-        self.create_subscription(NodeStates, C.TOPICS["node_states"], self._on_node_states, C.STREAM_QOS, raw=True)
-        self.create_subscription(JointState, C.TOPICS["motor_states"], self._on_motor_states, C.STREAM_QOS,
-                                 raw=True)
+        self.subscribe(NodeStates, C.TOPICS["node_states"], self._on_node_states, C.STREAM_QOS, raw=True)
+        self.subscribe(JointState, C.TOPICS["motor_states"], self._on_motor_states, C.STREAM_QOS, raw=True)
         self.create_service(SaveParameters, "~/save_parameters", self._on_save)
         self.create_service(LoadParameters, "~/load_parameters", self._on_load)
-        self.timer = self.create_timer(p["update_period_s"], self._on_timer)
-        self.diag_timer = self.create_timer(p["diagnostics_period_s"], self._diagnostics)
+        self.timer = self.every(p["update_period_s"], self._on_timer)
+        self.diag_timer = self.every(p["diagnostics_period_s"], self._diagnostics)
         if p["publish_nominal"]:
             self.pub.publish(C.parameter_set_to_msg(self.active.record))
 
@@ -472,7 +493,9 @@ class OnlineIdentifierNode(C.GraphNode):
 
     def _collect(self, out: Mapping[str, object]):
         cand = Candidate(values=out["values"], std_devs=out["std_devs"], identifiability=out["identifiability"],
-                         residual_m=out["residual_m"], ok=out["ok"], error=out["error"], converged=out["converged"])
+                         residual_m=out["residual_m"], ok=out["ok"], error=out["error"], converged=out["converged"],
+                         window_rms_m=out["window_rms_m"], active_window_rms_m=out["active_window_rms_m"])
+        self.last_timings = dict(out.get("timings", {}))
         params = None
         if out["values"]:
             try:
@@ -599,6 +622,10 @@ class OnlineIdentifierNode(C.GraphNode):
         vals.update(self.update_time.summary(1.0, "update_s_"))
         if self.last_candidate is not None:
             vals["last_fit_residual_mm"] = self.last_candidate.residual_m * 1e3
+            vals["last_fit_open_loop_rms_mm"] = self.last_candidate.window_rms_m * 1e3
+            vals["active_open_loop_rms_mm"] = self.last_candidate.active_window_rms_m * 1e3
+        for k, v in self.last_timings.items():
+            vals[f"last_{k}_s"] = v
         level, message = "ok", f"active {rec.set_id}"
         if self.last_decision is not None and not self.last_decision.accept:
             level, message = "warn", f"last fit rejected, keeping {rec.set_id}: {self.last_decision.reason}"

@@ -124,7 +124,7 @@ class SimRobotNode(C.GraphNode):
         self.last_truth = None        # (stamp, positions (N, 3), velocities (N, 3))
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self.timer = self.create_timer(p["diagnostics_period_s"], self._diagnostics)
+        self.timer = self.every(p["diagnostics_period_s"], self._diagnostics)
         self.get_logger().info(
             f"true {s.name}: {len(self.marker_idx)} markers at {p['mocap_rate_hz']:g} Hz"
             + (f", {len(self.actuators)} emulated motors on {self.emulator.port}" if self.emulator else ""))

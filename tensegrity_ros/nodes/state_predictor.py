@@ -348,6 +348,8 @@ class HorizonPredictor:
         self._twin = None
         self._twin_key = None
         self._auto_substeps: Dict[tuple, int] = {}
+        self.max_growth_per_s = 100.0
+        self.capped = 0
         self.last_substeps = self.substeps
 
     # ---- helpers -----------------------------------------------------------------------------------
@@ -429,8 +431,11 @@ class HorizonPredictor:
 
     def stable_substeps(self, params, X, Us, Uds) -> int:
         """Engine substeps per prediction step: the configured number, or (``substeps=0``) the smallest power
-        of two whose substep Jacobian at the nominal's start has spectral radius <= 1 (semi-implicit Euler is
-        explicit in the string damping: stiff, heavily damped strings need a short step). Cached per params."""
+        of two (<= 1024) whose substep Jacobian at the nominal's start is numerically stable (semi-implicit Euler
+        is explicit in the string damping: stiff, heavily damped strings need a short step). Stable means a
+        spectral radius rho with (rho - 1) / h <= ``max_growth_per_s``: an integrator instability gives
+        rho - 1 = O(1), whereas a physical growth rate of the linearisation (a state away from equilibrium)
+        gives rho - 1 = O(h) and is not removed by shorter steps. Cached per params."""
         if self.substeps:
             return self.substeps
         key = tuple(float(v) for v in self.torch.cat([getattr(params, k).reshape(-1) for k in params.kinds()]))
@@ -438,10 +443,11 @@ class HorizonPredictor:
             return self._auto_substeps[key]
         def stable(n):
             J = self._substep_jacobians(params, n, X, Us, Uds, np.array([0]))[0, :, :self.n]
-            return np.abs(np.linalg.eigvals(J)).max() <= 1.0 + 1e-7
+            rho = np.abs(np.linalg.eigvals(J)).max()
+            return (rho - 1.0) * n / self.dt <= self.max_growth_per_s
 
         n_sub = self.last_substeps or 1     # parameters change a little between sets: start from the last count
-        while n_sub < 4096 and not stable(n_sub):
+        while n_sub < 1024 and not stable(n_sub):
             n_sub *= 2
         while n_sub > 1 and stable(n_sub // 2):
             n_sub //= 2
@@ -577,11 +583,26 @@ class HorizonPredictor:
                 du = None
         out = (1 - f) * X[i0 + 1:i0 + steps + 1] + f * X[i0 + 2:i0 + steps + 2]
         A, B = lin.A, lin.B
+        # the correction is first order: bounded to 3x the initial deviation (min 5 mm, 50 mm/s), so a
+        # linearisation about a far-off nominal (wrong parameters, a violent transient) cannot blow up
+        npos = 3 * self.nf
+        cap_p = max(3.0 * float(np.abs(d[:npos]).max(initial=0.0)), 5e-3)
+        cap_v = max(3.0 * float(np.abs(d[npos:]).max(initial=0.0)), 5e-2)
+        capped = False
         for k in range(steps):
             d = A[i0 + k] @ d
             if du is not None:
                 d = d + B[i0 + k] @ du[k]
+            mp, mv = np.abs(d[:npos]).max(), np.abs(d[npos:]).max()
+            if mp > cap_p or mv > cap_v or not (math.isfinite(mp) and math.isfinite(mv)):
+                capped = True
+                if not (math.isfinite(mp) and math.isfinite(mv)):
+                    d = np.zeros_like(d)
+                else:
+                    d[:npos] *= min(1.0, cap_p / mp)
+                    d[npos:] *= min(1.0, cap_v / mv)
             out[k] += d
+        self.capped += int(capped)
         nf = self.nf
         return out[:, :3 * nf].reshape(steps, nf, 3), out[:, 3 * nf:].reshape(steps, nf, 3), i0
 
@@ -703,8 +724,8 @@ class StatePredictorNode(C.GraphNode):
         self._stop = threading.Event()
         self._msg_count = 0
         self.seq = C.SequenceMonitor()
-        self.latency = C.RollingStats(5000)       # reception -> publish, s
-        self.compute = C.RollingStats(5000)       # callback entry -> publish, s
+        self.latency = C.RollingStats(20000)      # reception -> publish, s
+        self.compute = C.RollingStats(20000)      # callback entry -> publish, s
         self.lin_time = C.RollingStats(200)
         self.predictions = 0
         self.skipped_uncovered = 0
@@ -716,20 +737,19 @@ class StatePredictorNode(C.GraphNode):
             raise C.ParameterError(f"output_nodes {bad} are not nodes of {self.structure.name}")
 
         self.pub = self.counting_publisher(PredictedStates, C.TOPICS["predicted_states"], C.PREDICTION_QOS)
-        self.create_subscription(NodeStates, C.TOPICS["node_states"], self._on_node_states, C.STREAM_QOS, raw=True)
-        self.create_subscription(JointState, C.TOPICS["motor_states"], self._on_motor_states, C.STREAM_QOS,
-                                 raw=True)
-        self.create_subscription(IdentifiedParameters, C.TOPICS["identified_parameters"], self._on_parameters,
-                                 C.LATCHED_QOS)
+        self.subscribe(NodeStates, C.TOPICS["node_states"], self._on_node_states, C.STREAM_QOS, raw=True)
+        self.subscribe(JointState, C.TOPICS["motor_states"], self._on_motor_states, C.STREAM_QOS, raw=True)
+        self.subscribe(IdentifiedParameters, C.TOPICS["identified_parameters"], self._on_parameters, C.LATCHED_QOS,
+                       info=False)
         self._plan_type = "JointState"
         try:
             from trajectory_msgs.msg import JointTrajectory
-            self.create_subscription(JointTrajectory, C.TOPICS["motor_plan"], self._on_trajectory_plan, 10)
+            self.subscribe(JointTrajectory, C.TOPICS["motor_plan"], self._on_trajectory_plan, 10, info=False)
             self._plan_type = "JointTrajectory"
         except ImportError:
-            self.create_subscription(JointState, C.TOPICS["motor_plan"], self._on_joint_state_plan, 10)
+            self.subscribe(JointState, C.TOPICS["motor_plan"], self._on_joint_state_plan, 10, info=False)
         self.srv = self.create_service(GetLinearization, "~/get_linearization", self._on_get_linearization)
-        self.timer = self.create_timer(p["diagnostics_period_s"], self._diagnostics)
+        self.timer = self.every(p["diagnostics_period_s"], self._diagnostics)
         self._pool = C.make_worker(p["worker"], C.worker_init, (p["torch_threads"], 0))
         self._key = id(self)
         self.worker_pid = self._pool.submit(core_job, self._key, self.structure, self.core_options).result()

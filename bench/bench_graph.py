@@ -1,0 +1,108 @@
+"""The node graph against the simulated robot (tensegrity_ros.bringup, one process): node-state ->
+prediction latency (p50 / p99, DDS reception to publish), the identifier's update time, drops over a run
+(default 300 s), message rates, the driver's loop, CPU use and the machine's load (the figures depend on it).
+
+    python bench/bench_graph.py [--duration 300]
+    python -c "import bench.bench_graph as b; print(b.run(30))"
+
+Writes build/bench/graph.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+OUT = ROOT / "build" / "bench" / "graph.json"
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+        return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def _pct(stats, q, scale=1e3):
+    v = stats.values()
+    return float(np.percentile(v, q) * scale) if v.size else float("nan")
+
+
+def run(duration_s: float = 300.0, out: Path = OUT) -> dict:
+    from tensegrity_ros.bringup import GraphConfig, build_graph, drain, stop_sources
+
+    graph = build_graph(GraphConfig(keep_predictions_every=1000))
+    try:
+        nodes = graph.nodes
+        pr, idn, ing, drv = (nodes["state_predictor"], nodes["online_identifier"], nodes["mocap_ingest"],
+                             nodes["dynamixel_driver"])
+        for stats in (pr.latency, pr.compute):     # keep every sample of the run
+            stats._d = type(stats._d)(maxlen=int(duration_s * 200) + 1000)
+        pids = {"graph_process": os.getpid(), "predictor_worker": pr.worker_pid, "identifier_worker": idn.worker_pid}
+        cpu0 = {k: _cpu_s(p) for k, p in pids.items()}
+        load0 = os.getloadavg()
+        graph.spin_in_background()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < duration_s:
+            time.sleep(min(5.0, duration_s - (time.monotonic() - t0)))
+            for n in nodes.values():
+                if getattr(n, "fault", None) is not None:
+                    raise RuntimeError(f"{n.get_name()} stopped: {n.fault}")
+        wall = time.monotonic() - t0
+        cpu1 = {k: _cpu_s(p) for k, p in pids.items()}
+        load1 = os.getloadavg()
+        stop_sources(graph)
+        delivered = drain(graph, 30.0)
+        drops = graph.drops()
+        st = drv.core.stats
+        result = {
+            "duration_s": round(wall, 2),
+            "latency_p50_ms": _pct(pr.latency, 50), "latency_p99_ms": _pct(pr.latency, 99),
+            "latency_max_ms": _pct(pr.latency, 100),
+            "compute_p50_ms": _pct(pr.compute, 50), "compute_p99_ms": _pct(pr.compute, 99),
+            "predictions": int(pr.pub.count), "predictions_skipped_uncovered": int(pr.skipped_uncovered),
+            "relinearize_ms_p50": _pct(pr.lin_time, 50), "relinearize_ms_p99": _pct(pr.lin_time, 99),
+            "identifier_update_s_p50": _pct(idn.update_time, 50, 1.0),
+            "identifier_update_s_p99": _pct(idn.update_time, 99, 1.0),
+            "identifier": dict(idn.stats),
+            "dropped_messages": int(sum(sum(v.values()) for v in drops.values())),
+            "drops": drops, "all_delivered": bool(delivered),
+            "messages": graph.received(), "published": graph.published_counts(),
+            "rates_hz": {"mocap": ing.frames / wall, "driver_loop": st.loop_rate_hz,
+                         "motor_states": graph.received().get("/tensegrity/motor_states", 0) / wall},
+            "driver": {"cycles": st.cycles, "missed_cycles": st.missed_cycles},
+            "ingest_ms_p50": _pct(ing.proc_time, 50), "ingest_ms_p99": _pct(ing.proc_time, 99),
+            "cpu_cores": {k: round((cpu1[k] - cpu0[k]) / wall, 3) for k in pids},
+            "loadavg_start": load0, "loadavg_end": load1, "cpu_count": os.cpu_count(),
+        }
+    finally:
+        graph.shutdown()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=300.0, help="seconds of motion (default 300)")
+    args = ap.parse_args(argv)
+    r = run(args.duration)
+    print(f"latency p50 {r['latency_p50_ms']:.2f} ms, p99 {r['latency_p99_ms']:.2f} ms; identifier update "
+          f"p50 {r['identifier_update_s_p50']:.2f} s; dropped {r['dropped_messages']}; driver missed "
+          f"{r['driver']['missed_cycles']} cycles; load {r['loadavg_end']}; wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

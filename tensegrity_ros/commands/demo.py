@@ -1,0 +1,322 @@
+"""`tensegrity demo [--duration S] [--out build/demo]`: the whole hardware-in-the-loop graph against the
+simulated robot, in one process (:mod:`tensegrity_ros.bringup`).
+
+The driver drives the phase-shifted sinusoids through the emulated Dynamixel bus (real SDK, pty); the MuJoCo
+twin of the TRUE robot (the nominal model's stiffnesses and dampings ~20 % off) moves with the emulated
+motors; unlabelled markers stream at 120 Hz; the ingest labels them; the identifier re-identifies a 10-s
+window every second starting from the nominal model; the predictor publishes a 1-s horizon at every
+node-state message. A progress line shows the identified-vs-true parameter error, the 1-s prediction error
+and the loop rates.
+
+Writes to ``--out``: ``summary.json`` (median_param_error_pct, prediction_rmse_mm, dropped_messages,
+duration_s, latencies, rates, ...), ``report.md`` with ``parameter_convergence.png`` and
+``plates_predicted_vs_measured.png``, ``true_model.yaml`` / ``identified_model.yaml``, and ``bag/`` (MCAP, all
+topics; predictions at 10 Hz).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--duration", type=float, default=30.0,
+                        help="seconds of robot motion (default 30: the 2-s ramp and ~4 periods of 7 s)")
+    parser.add_argument("--out", default="build/demo", help="output folder (default build/demo)")
+    parser.add_argument("--model", default=str(ROOT / "config" / "models" / "stacked_manipulator.yaml"),
+                        help="nominal structure YAML")
+    parser.add_argument("--reference", default=str(ROOT / "config" / "references" / "seed_sinusoids.yaml"),
+                        help="reference the driver runs")
+    parser.add_argument("--perturb", type=float, default=0.2,
+                        help="spread of the true robot's stiffnesses and dampings around the nominal (default 0.2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the true robot's perturbation")
+    parser.add_argument("--no-bag", action="store_true", help="do not record the MCAP bag")
+
+
+# =====================================================================================================
+# scoring (pure)
+# =====================================================================================================
+def parameter_errors(values: Mapping[str, float], truth: Mapping[str, float], names: Sequence[str]) -> Dict[str, float]:
+    """|value / truth - 1| in % for ``names`` (those present in both)."""
+    return {n: 100.0 * abs(float(values[n]) / float(truth[n]) - 1.0) for n in names
+            if n in values and n in truth and truth[n]}
+
+
+def prediction_errors(predictions, gt_times: np.ndarray, gt_positions: np.ndarray, gt_names: Sequence[str]):
+    """Each prediction against what the twin then did.
+
+    predictions: :class:`~tensegrity_ros.nodes._common.Prediction` records; gt_times (T,), gt_positions
+    (T, N, 3) structure frame. Only predictions whose whole horizon lies within the ground truth are scored.
+    Returns (stamps (P,), rms (P,) m over horizon and nodes, end (P,) m at the last step).
+    """
+    gt_times = np.asarray(gt_times, dtype=float)
+    idx = {n: i for i, n in enumerate(gt_names)}
+    stamps, rms, end = [], [], []
+    for p in predictions:
+        t = p.times
+        if t.size == 0 or t[0] < gt_times[0] or t[-1] > gt_times[-1]:
+            continue
+        cols = [idx[n] for n in p.node_names if n in idx]
+        keep = [k for k, n in enumerate(p.node_names) if n in idx]
+        j = np.clip(np.searchsorted(gt_times, t) - 1, 0, gt_times.size - 2)
+        w = ((t - gt_times[j]) / (gt_times[j + 1] - gt_times[j]))[:, None, None]
+        truth = (1 - w) * gt_positions[j][:, cols] + w * gt_positions[j + 1][:, cols]
+        err = np.linalg.norm(p.positions[:, keep] - truth, axis=-1)          # (K, n)
+        stamps.append(p.stamp)
+        rms.append(float(np.sqrt(np.mean(err ** 2))))
+        end.append(float(np.sqrt(np.mean(err[-1] ** 2))))
+    return np.array(stamps), np.array(rms), np.array(end)
+
+
+def _pct(stats, q, scale=1e3):
+    v = stats.values()
+    return float(np.percentile(v, q) * scale) if v.size else math.nan
+
+
+# =====================================================================================================
+# the run
+# =====================================================================================================
+class _Progress:
+    def __init__(self):
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+
+    def line(self, text: str, final: bool = False) -> None:
+        if self.tty:
+            sys.stderr.write("\r" + text[:200].ljust(200) + ("\n" if final else ""))
+        elif final or time.monotonic() - self.last >= 5.0:
+            sys.stderr.write(text + "\n")
+            self.last = time.monotonic()
+        sys.stderr.flush()
+
+
+def _status(graph, truth, est_names, t0_ros, elapsed, nominal_err) -> Tuple[str, Dict[str, float]]:
+    mon = graph.monitor
+    nodes = graph.nodes
+    ps = mon.parameter_sets[-1] if mon.parameter_sets else None
+    perr = float(np.median(list(parameter_errors(ps.as_dict(), truth, est_names).values()))) if ps else math.nan
+    preds = list(mon.predictions)[-60:]
+    gt = list(mon.ground_truth)
+    pe = math.nan
+    if preds and len(gt) > 10:
+        t = np.array([g[0] for g in gt])
+        P = np.stack([g[1] for g in gt])
+        _, rms, _ = prediction_errors(preds, t, P, nodes["sim_robot"].true_structure.node_names)
+        pe = float(np.median(rms) * 1e3) if rms.size else math.nan
+    drv = nodes["dynamixel_driver"].core.stats
+    ing = nodes["mocap_ingest"]
+    pr = nodes["state_predictor"]
+    idn = nodes["online_identifier"]
+    vals = {"t": elapsed, "param_err": perr, "pred_err": pe, "mocap_hz": ing.rate.rate(), "motor_hz": drv.loop_rate_hz,
+            "lat_p50": _pct(pr.latency, 50), "accepted": idn.stats["accepted"], "rejected": idn.stats["rejected"]}
+    text = (f"t={elapsed:5.1f}s | params: median error {perr:5.1f}% vs true (nominal {nominal_err:.1f}%), "
+            f"{idn.stats['accepted']} sets accepted, {idn.stats['rejected']} rejected | 1-s prediction error "
+            f"{pe:6.2f} mm | mocap {vals['mocap_hz']:5.1f} Hz, motors {drv.loop_rate_hz:5.1f} Hz, "
+            f"predictor p50 {vals['lat_p50']:.2f} ms")
+    return text, vals
+
+
+def run(args) -> int:
+    from ..bringup import GraphConfig, build_graph, drain, stop_sources
+    from ..engine import params_from_structure
+    from ..model import StructureError, load_structure
+
+    if not (0 < args.duration <= 3600):
+        raise UserError(f"--duration = {args.duration}: must be in (0, 3600] s")
+    if not 0 <= args.perturb < 0.9:
+        raise UserError(f"--perturb = {args.perturb}: must be in [0, 0.9)")
+    for what, f in (("--model", args.model), ("--reference", args.reference)):
+        if not Path(f).is_file():
+            raise UserError(f"{what} {f}: no such file")
+    try:
+        nominal = load_structure(args.model)
+    except StructureError as e:
+        raise UserError(str(e)) from e
+    if not nominal.actuators:
+        raise UserError(f"{args.model}: the demo needs an actuated structure (no actuators)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    topics_every = {"/tensegrity/predicted_states": 12}
+    cfg = GraphConfig(model_file=args.model, reference_file=args.reference, perturb_fraction=args.perturb,
+                      overrides={"sim_robot": {"perturb_seed": int(args.seed)}},
+                      record_topics=None if args.no_bag else ["*"], record_every=topics_every,
+                      keep_predictions_every=6)
+    progress = _Progress()
+    sys.stderr.write(f"tensegrity demo: starting the graph ({nominal.name}, worker processes warm up ~10 s)...\n")
+    graph = build_graph(cfg)
+    try:
+        sim = graph.nodes["sim_robot"]
+        true_structure = sim.true_structure
+        truth = {n: float(v) for n, v in params_from_structure(true_structure).named().items()}
+        nom = {n: float(v) for n, v in params_from_structure(nominal).named().items()}
+        est_names = [n for n in nom if n.rpartition(".")[2] in graph.nodes["online_identifier"].p["estimate"]]
+        nominal_err = float(np.median(list(parameter_errors(nom, truth, est_names).values())))
+        graph.spin_in_background()
+        t0 = time.monotonic()
+        t0_ros = sim.now_s()
+        history = []
+        while True:
+            elapsed = time.monotonic() - t0
+            if elapsed >= args.duration:
+                break
+            time.sleep(min(1.0, args.duration - elapsed))
+            for node in graph.nodes.values():
+                if getattr(node, "fault", None) is not None:
+                    raise UserError(f"{node.get_name()} stopped: {node.fault}")
+            text, vals = _status(graph, truth, est_names, t0_ros, time.monotonic() - t0, nominal_err)
+            history.append(vals)
+            progress.line(text)
+        duration = time.monotonic() - t0
+        stop_sources(graph)
+        drained = drain(graph, 20.0)
+        text, vals = _status(graph, truth, est_names, t0_ros, duration, nominal_err)
+        progress.line(text, final=True)
+        summary = _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_ros, out, history)
+        files = _report(graph, summary, truth, nom, est_names, t0_ros, out, nominal, true_structure)
+        if not args.no_bag:
+            files.append(_write_bag(graph, out / "bag"))
+            summary["bag"] = str(out / "bag")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        sys.stderr.write(f"tensegrity demo: median parameter error {summary['median_param_error_pct']:.1f} % "
+                         f"(nominal {nominal_err:.1f} %), 1-s prediction RMSE {summary['prediction_rmse_mm']:.2f} mm, "
+                         f"{summary['dropped_messages']} dropped messages; wrote {out / 'summary.json'}, "
+                         f"{out / 'report.md'}" + ("" if args.no_bag else f", {out / 'bag'}") + "\n")
+        return 0
+    finally:
+        graph.shutdown()
+
+
+def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_ros, out, history) -> dict:
+    mon, nodes = graph.monitor, graph.nodes
+    ps = mon.parameter_sets[-1] if mon.parameter_sets else None
+    final = ps.as_dict() if ps else dict(nom)
+    errs = parameter_errors(final, truth, est_names)
+    gt = list(mon.ground_truth)
+    t_gt = np.array([g[0] for g in gt]) if gt else np.zeros(0)
+    P_gt = np.stack([g[1] for g in gt]) if gt else np.zeros((0, 0, 3))
+    names = nodes["sim_robot"].true_structure.node_names
+    stamps, rms, end = prediction_errors(list(mon.predictions), t_gt, P_gt, names) if gt else (np.zeros(0),) * 3
+    half = stamps >= (stamps[0] + stamps[-1]) / 2 if stamps.size else np.zeros(0, bool)
+    drv = nodes["dynamixel_driver"].core.stats
+    pr, idn, ing, sim = nodes["state_predictor"], nodes["online_identifier"], nodes["mocap_ingest"], nodes["sim_robot"]
+    drops = graph.drops()
+    accepted = [p for p in mon.parameter_sets if p.set_id != "nominal"]
+    first_ok = (accepted[0].stamp - t0_ros) if accepted else None
+    return {
+        "duration_s": round(duration, 3),
+        "median_param_error_pct": float(np.median(list(errs.values()))) if errs else math.nan,
+        "nominal_param_error_pct": nominal_err,
+        "param_errors_pct": {k: round(v, 3) for k, v in errs.items()},
+        "identified_parameter_set": ps.set_id if ps else "nominal",
+        "parameter_sets_published": len(mon.parameter_sets),
+        "identifier": {**idn.stats, "update_s_p50": _pct(idn.update_time, 50, 1.0),
+                       "update_s_p99": _pct(idn.update_time, 99, 1.0), "first_accepted_after_s": first_ok,
+                       "last_rejection": idn.last_decision.reason if idn.last_decision and not idn.last_decision.accept else ""},
+        "prediction_rmse_mm": float(np.sqrt(np.mean(rms ** 2)) * 1e3) if rms.size else math.nan,
+        "prediction_rmse_mm_second_half": float(np.sqrt(np.mean(rms[half] ** 2)) * 1e3) if half.any() else math.nan,
+        "prediction_error_at_1s_mm": float(np.sqrt(np.mean(end ** 2)) * 1e3) if end.size else math.nan,
+        "predictions_scored": int(rms.size),
+        "predictions_published": int(pr.pub.count),
+        "predictions_skipped_uncovered": int(pr.skipped_uncovered),
+        "prediction_latency_ms": {"p50": _pct(pr.latency, 50), "p99": _pct(pr.latency, 99),
+                                  "compute_p50": _pct(pr.compute, 50)},
+        "relinearize_ms_p50": _pct(pr.lin_time, 50),
+        "dropped_messages": int(sum(sum(v.values()) for v in drops.values())),
+        "drops": drops,
+        "all_delivered": bool(drained),
+        "messages": graph.received(),
+        "rates": {"mocap_hz": ing.frames / duration if duration else math.nan,
+                  "driver_loop_hz": drv.loop_rate_hz, "driver_cycles": drv.cycles,
+                  "driver_missed_cycles": drv.missed_cycles, "sim_realtime_factor": sim.rtf,
+                  "ingest_ms_p50": _pct(ing.proc_time, 50), "ingest_ms_p99": _pct(ing.proc_time, 99)},
+        "progress": history,
+    }
+
+
+def _report(graph, summary, truth, nom, est_names, t0_ros, out: Path, nominal, true_structure) -> List[Path]:
+    from ..engine import apply_to_structure
+    from ..model import dump_structure
+    from ..report.figures import parameter_table, plate_motion, plot_convergence, plot_plate_motion
+
+    mon = graph.monitor
+    files = []
+    dump_structure(true_structure, out / "true_model.yaml", header="The simulated robot's true parameters.")
+    idn = graph.nodes["online_identifier"]
+    ps = mon.parameter_sets[-1] if mon.parameter_sets else None
+    if ps is not None and ps.set_id != "nominal":
+        files.append(Path(idn.save(str(out / "identified_model.yaml"))))
+    hist = [{n: v for n, v in p.as_dict().items() if n in est_names} for p in mon.parameter_sets]
+    conv = plot_convergence(hist, out / "parameter_convergence.png", truth={n: truth[n] for n in est_names},
+                            x_label="published parameter set (0 = nominal)")
+    if conv:
+        files.append(conv)
+    # predicted (1 s ahead) vs measured plate trajectories
+    gt = list(mon.ground_truth)
+    plates = None
+    if gt and mon.predictions:
+        names = true_structure.node_names
+        t = np.array([g[0] for g in gt]) - t0_ros
+        P = np.stack([g[1] for g in gt])
+        pn = mon.predictions[0].node_names
+        preds = [p for p in mon.predictions if p.node_names == pn]
+        tp = np.array([p.times[-1] for p in preds]) - t0_ros
+        Pp = np.stack([p.positions[-1] for p in preds])
+        series = {"measured (twin)": (t, plate_motion(names, P)), "predicted 1 s ahead": (tp, plate_motion(pn, Pp))}
+        plates = plot_plate_motion(t, series, out / "plates_predicted_vs_measured.png",
+                                   title="plates C1, C2 relative to C0: twin vs the 1-s prediction made 1 s earlier")
+        if plates:
+            files.append(plates)
+    s = summary
+    table = parameter_table(ps.as_dict() if ps else nom, ps.std_dict() if ps else {},
+                            dict(zip(ps.names, ps.identifiability)) if ps else {}, truth)
+    lines = [
+        "# tensegrity demo", "",
+        f"Simulated {true_structure.name} (nominal stiffnesses and dampings ~20 % off the truth), "
+        f"{s['duration_s']:.1f} s of motion.", "",
+        "| metric | value |", "|---|---|",
+        f"| median parameter error (identified vs true) | {s['median_param_error_pct']:.2f} % "
+        f"(nominal: {s['nominal_param_error_pct']:.2f} %) |",
+        f"| 1-s prediction RMSE (whole run / second half / at 1 s) | {s['prediction_rmse_mm']:.2f} / "
+        f"{s['prediction_rmse_mm_second_half']:.2f} / {s['prediction_error_at_1s_mm']:.2f} mm |",
+        f"| prediction latency p50 / p99 | {s['prediction_latency_ms']['p50']:.2f} / "
+        f"{s['prediction_latency_ms']['p99']:.2f} ms |",
+        f"| identifier updates accepted / rejected, update time p50 | {s['identifier']['accepted']} / "
+        f"{s['identifier']['rejected']}, {s['identifier']['update_s_p50']:.2f} s |",
+        f"| dropped messages | {s['dropped_messages']} |",
+        f"| mocap / driver loop rate, driver missed cycles | {s['rates']['mocap_hz']:.1f} / "
+        f"{s['rates']['driver_loop_hz']:.1f} Hz, {s['rates']['driver_missed_cycles']} |", "",
+        "## Parameters (last published set vs truth)", "", "```", table, "```", "",
+    ]
+    if conv:
+        lines += ["## Parameter convergence", "", f"![convergence]({conv.name})", ""]
+    if plates:
+        lines += ["## Predicted vs measured plate trajectories", "", f"![plates]({plates.name})", ""]
+    (out / "report.md").write_text("\n".join(lines))
+    files.append(out / "report.md")
+    return files
+
+
+def _write_bag(graph, path: Path) -> Path:
+    """Everything the monitor recorded (raw) as an MCAP bag, through :func:`tensegrity_ros.bags.write_topics`."""
+    from ..bags import make_typestore, write_topics
+
+    ts = make_typestore()
+    mon = graph.monitor
+    topics = {}
+    for topic, msgs in mon.recorded.items():
+        if not msgs:
+            continue
+        mtype = mon.TOPIC_TYPES[topic]
+        topics[topic] = (mtype, [(t, ts.deserialize_cdr(data, mtype)) for t, data in msgs])
+    return write_topics(path, topics, typestore=ts, overwrite=True)
