@@ -39,14 +39,15 @@ def _pct(stats, q, scale=1e3):
     return float(np.percentile(v, q) * scale) if v.size else float("nan")
 
 
-def run(duration_s: float = 300.0, out: Path = OUT) -> dict:
+def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True) -> dict:
+    """robot_process: the simulated robot (twin, emulated bus, driver) in its own process (default), else
+    everything in one process."""
     from tensegrity_ros.bringup import GraphConfig, build_graph, drain, stop_sources
 
-    graph = build_graph(GraphConfig(keep_predictions_every=1000))
+    graph = build_graph(GraphConfig(keep_predictions_every=1000, robot_process=robot_process))
     try:
         nodes = graph.nodes
-        pr, idn, ing, drv = (nodes["state_predictor"], nodes["online_identifier"], nodes["mocap_ingest"],
-                             nodes["dynamixel_driver"])
+        pr, idn, ing = nodes["state_predictor"], nodes["online_identifier"], nodes["mocap_ingest"]
         for stats in (pr.latency, pr.compute):     # keep every sample of the run
             stats._d = type(stats._d)(maxlen=int(duration_s * 200) + 1000)
         pids = {"graph_process": os.getpid(), "predictor_worker": pr.worker_pid, "identifier_worker": idn.worker_pid}
@@ -59,14 +60,18 @@ def run(duration_s: float = 300.0, out: Path = OUT) -> dict:
             for n in nodes.values():
                 if getattr(n, "fault", None) is not None:
                     raise RuntimeError(f"{n.get_name()} stopped: {n.fault}")
+            if graph.robot_stats()["faults"]:
+                raise RuntimeError(f"robot side stopped: {graph.robot_stats()['faults']}")
         wall = time.monotonic() - t0
         cpu1 = {k: _cpu_s(p) for k, p in pids.items()}
         load1 = os.getloadavg()
         stop_sources(graph)
         delivered = drain(graph, 30.0)
         drops = graph.drops()
-        st = drv.core.stats
+        robot = graph.robot_stats()
+        st = robot["driver"]
         result = {
+            "robot_process": robot_process,
             "duration_s": round(wall, 2),
             "latency_p50_ms": _pct(pr.latency, 50), "latency_p99_ms": _pct(pr.latency, 99),
             "latency_max_ms": _pct(pr.latency, 100),
@@ -79,9 +84,11 @@ def run(duration_s: float = 300.0, out: Path = OUT) -> dict:
             "dropped_messages": int(sum(sum(v.values()) for v in drops.values())),
             "drops": drops, "all_delivered": bool(delivered),
             "messages": graph.received(), "published": graph.published_counts(),
-            "rates_hz": {"mocap": ing.frames / wall, "driver_loop": st.loop_rate_hz,
+            "rates_hz": {"mocap": ing.frames / wall, "driver_loop": st.get("loop_rate_hz"),
                          "motor_states": graph.received().get("/tensegrity/motor_states", 0) / wall},
-            "driver": {"cycles": st.cycles, "missed_cycles": st.missed_cycles},
+            "driver": {"cycles": st.get("cycles"), "missed_cycles": st.get("missed_cycles"),
+                       "jitter_p99_ms": st.get("jitter_p99_ms")},
+            "sim": robot["sim"],
             "ingest_ms_p50": _pct(ing.proc_time, 50), "ingest_ms_p99": _pct(ing.proc_time, 99),
             "cpu_cores": {k: round((cpu1[k] - cpu0[k]) / wall, 3) for k in pids},
             "loadavg_start": load0, "loadavg_end": load1, "cpu_count": os.cpu_count(),
@@ -96,8 +103,9 @@ def run(duration_s: float = 300.0, out: Path = OUT) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of motion (default 300)")
+    ap.add_argument("--one-process", action="store_true", help="the simulated robot in the graph's process too")
     args = ap.parse_args(argv)
-    r = run(args.duration)
+    r = run(args.duration, robot_process=not args.one_process)
     print(f"latency p50 {r['latency_p50_ms']:.2f} ms, p99 {r['latency_p99_ms']:.2f} ms; identifier update "
           f"p50 {r['identifier_update_s_p50']:.2f} s; dropped {r['dropped_messages']}; driver missed "
           f"{r['driver']['missed_cycles']} cycles; load {r['loadavg_end']}; wrote {OUT}")

@@ -18,7 +18,6 @@ Parameters come from the same ``config/nodes/*.yaml`` files as the launch files,
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -55,7 +54,14 @@ class GraphConfig:
     measured 0.4 vs 0.15 ms) or ``multi`` (``threads`` threads); link_path: pty link of the emulated bus
     ('' = a unique one under /tmp); monitor: add the :class:`GraphMonitor`; record_topics: topics the
     monitor keeps raw for a bag (None: none; ["*"]: all), record_every: {topic: n} keep every n-th message;
-    keep_node_states: the monitor also keeps the decoded node states.
+    keep_node_states: the monitor also keeps the decoded node states; parameter_services: start each node's
+    parameter services (off by default: nothing calls them in one process, and every service is one more entity
+    the executor's wait set is rebuilt with; parameters are still declared, validated and settable through
+    ``node.set_parameters``); robot_process: run the simulated robot's side (sim_robot, dynamixel_driver)
+    in a spawned child process of its own (:class:`RobotProcess`) instead of this one. The real robot is a
+    separate system with its own driver process; in one process the twin's 1-kHz stepping and the driver's
+    80-Hz bus loop share the GIL with every callback (measured: driver 30-60 Hz instead of 80 on a busy
+    2-core machine, 80 Hz in its own process).
     """
 
     model_file: str = str(DEFAULT_MODEL)
@@ -71,6 +77,8 @@ class GraphConfig:
     record_every: Dict[str, int] = field(default_factory=dict)
     keep_node_states: bool = False
     executor: str = "single"
+    parameter_services: bool = False
+    robot_process: bool = False
     keep_predictions_every: int = 6
     switch_interval_s: Optional[float] = 0.001
 
@@ -219,6 +227,7 @@ class Graph:
     t_start: float = 0.0
     error: Optional[BaseException] = None
     stopping: bool = False
+    robot: Optional["RobotProcess"] = None
 
     def spin_in_background(self) -> None:
         """Spin the executor in a thread and start the simulation (markers flow from now on)."""
@@ -241,16 +250,30 @@ class Graph:
         sim = self.nodes.get("sim_robot")
         if sim is not None:
             sim.start()
+        if self.robot is not None:
+            self.robot.start()
+
+    # ---- the simulated robot's side, wherever it runs ------------------------------------------------
+    @property
+    def true_structure(self):
+        """The simulated robot's true structure (None without sim_robot)."""
+        if self.robot is not None:
+            return self.robot.true_structure
+        sim = self.nodes.get("sim_robot")
+        return None if sim is None else sim.true_structure
+
+    def robot_stats(self) -> Dict[str, Any]:
+        """{"published": {topic: n}, "driver": {...}, "sim": {...}, "faults": {node: text}} of the robot side."""
+        if self.robot is not None:
+            return self.robot.stats()
+        return _robot_stats(self.nodes)
 
     def published_counts(self) -> Dict[str, int]:
-        """Messages published per topic by the graph's nodes (the driver: its cycles)."""
-        out: Dict[str, int] = {}
-        for name, node in self.nodes.items():
-            for topic, pub in getattr(node, "publishers_by_topic", {}).items():
-                out[topic] = out.get(topic, 0) + pub.count
-        drv = self.nodes.get("dynamixel_driver")
-        if drv is not None and drv.core is not None:
-            out[C.TOPICS["motor_states"]] = int(drv.core.stats.cycles) + 1   # + the state published at start
+        """Messages published per topic by the graph's nodes (the driver: its cycles), robot process included."""
+        out = _published(self.nodes)
+        if self.robot is not None:
+            for t, n in self.robot.stats()["published"].items():
+                out[t] = out.get(t, 0) + n
         return out
 
     def subscribers(self) -> Dict[str, C.SequenceMonitor]:
@@ -304,6 +327,8 @@ class Graph:
                 self.monitor.destroy_node()
             except Exception:
                 pass
+        if self.robot is not None:
+            self.robot.shutdown()
         if self.owns_context:
             rclpy.try_shutdown(context=self.context)
 
@@ -327,12 +352,15 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
             raise FileNotFoundError(f"{f}: no such file")
     if cfg.switch_interval_s:
         sys.setswitchinterval(cfg.switch_interval_s)   # many short callbacks + compute threads share the GIL
+    C.limit_blas_threads(1)                            # small linear algebra: no BLAS thread pool (see there)
     owns = context is None
     if owns:
         from rclpy.context import Context
         context = Context()
         rclpy.init(args=[], context=context)
     link = cfg.link_path or f"/tmp/tensegrity_ttyEMU_{os.getpid()}_{int(time.time() * 1e3) % 100000}"
+    robot_nodes = ("sim_robot", "dynamixel_driver")
+    remote = cfg.robot_process and any(n in cfg.nodes for n in robot_nodes)
     common = {"model_file": str(cfg.model_file)}
     per_node = {
         "sim_robot": {**common, "true_model_file": cfg.true_model_file, "perturb_fraction": cfg.perturb_fraction,
@@ -368,14 +396,19 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
                                    keep_node_states=cfg.keep_node_states)
             graph.monitor = monitor
             graph.executor.add_node(monitor)
+        if remote:   # the robot side in its own process, started first (its pty must exist for the driver)
+            from dataclasses import replace
+            graph.robot = RobotProcess(replace(cfg, nodes=tuple(n for n in cfg.nodes if n in robot_nodes),
+                                               robot_process=False, monitor=False, link_path=link))
         for name in NODE_ORDER:
-            if name not in cfg.nodes:
+            if name not in cfg.nodes or (remote and name in robot_nodes):
                 continue
             values = {**(yaml_parameters(name) if name != "dynamixel_driver" else {}), **per_node[name],
                       **cfg.overrides.get(name, {})}
             if name == "dynamixel_driver" and "sim_robot" in nodes:
                 values["port"] = nodes["sim_robot"].port
             kw = {"start": False} if name in ("sim_robot", "dynamixel_driver") else {}
+            kw["start_parameter_services"] = cfg.parameter_services
             node = classes[name](context=context, parameter_overrides=_parameters(values), **kw)
             nodes[name] = node
             graph.executor.add_node(node)
@@ -383,6 +416,132 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
         graph.shutdown()
         raise
     return graph
+
+
+def _published(nodes: Mapping[str, Node]) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for node in nodes.values():
+        for topic, pub in getattr(node, "publishers_by_topic", {}).items():
+            out[topic] = out.get(topic, 0) + pub.count
+    drv = nodes.get("dynamixel_driver")
+    if drv is not None and drv.core is not None:
+        out[C.TOPICS["motor_states"]] = int(drv.core.stats.cycles) + 1   # + the state published at start
+    return out
+
+
+def _robot_stats(nodes: Mapping[str, Node]) -> Dict[str, Any]:
+    drv, sim = nodes.get("dynamixel_driver"), nodes.get("sim_robot")
+    out: Dict[str, Any] = {"published": _published({k: v for k, v in nodes.items()
+                                                    if k in ("sim_robot", "dynamixel_driver")}),
+                           "driver": {}, "sim": {}, "faults": {}}
+    if drv is not None and drv.core is not None:
+        st = drv.core.stats
+        out["driver"] = {"loop_rate_hz": float(st.loop_rate_hz), "cycles": int(st.cycles),
+                         "missed_cycles": int(st.missed_cycles), "jitter_p99_ms": float(st.jitter_p99_s * 1e3)}
+    if sim is not None:
+        out["sim"] = {"realtime_factor": float(sim.rtf), "frames": int(sim.frames),
+                      "skipped_frames": int(sim.skipped_frames),
+                      "lag_ms_p99": sim.lag.percentile(99) * 1e3 if sim.lag.count else 0.0}
+    for name, node in nodes.items():
+        if getattr(node, "fault", None) is not None:
+            out["faults"][name] = f"{type(node.fault).__name__}: {node.fault}"
+    return out
+
+
+def _robot_main(conn, cfg: GraphConfig) -> None:
+    """Child process of :class:`RobotProcess`: build the robot side, then serve start/stats/stop/shutdown."""
+    graph = None
+    try:
+        graph = build_graph(cfg)
+        sim = graph.nodes.get("sim_robot")
+        conn.send(("ready", {"true_structure": None if sim is None else sim.true_structure}))
+        stats = None
+        while True:
+            cmd = conn.recv()
+            if cmd == "start":
+                graph.spin_in_background()
+                conn.send(("ok", None))
+            elif cmd == "stats":
+                conn.send(("ok", stats or _robot_stats(graph.nodes)))
+            elif cmd == "stop":
+                stop_sources(graph)
+                stats = _robot_stats(graph.nodes)
+                conn.send(("ok", stats))
+            elif cmd == "shutdown":
+                break
+    except (EOFError, KeyboardInterrupt):
+        pass
+    except BaseException as e:  # pragma: no cover - reported to the parent
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except Exception:
+            pass
+    finally:
+        if graph is not None:
+            graph.shutdown()
+        try:
+            conn.send(("bye", None))
+        except Exception:
+            pass
+
+
+class RobotProcess:
+    """The simulated robot's side (sim_robot + dynamixel_driver) in a spawned process with its own rclpy
+    context, executor and GIL; controlled over a pipe (start, stats, stop, shutdown). Its topics are ordinary
+    DDS topics for the rest of the graph."""
+
+    def __init__(self, cfg: GraphConfig, timeout_s: float = 120.0):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_robot_main, args=(child, cfg), name="tensegrity-robot", daemon=True)
+        self.proc.start()
+        self._lock = threading.Lock()
+        self._final: Optional[Dict[str, Any]] = None
+        if not self.conn.poll(timeout_s):
+            self.shutdown()
+            raise RuntimeError("the robot process did not start")
+        kind, info = self.conn.recv()
+        if kind != "ready":
+            self.shutdown()
+            raise RuntimeError(f"the robot process failed: {info}")
+        self.true_structure = info["true_structure"]
+
+    def _request(self, cmd: str):
+        with self._lock:
+            self.conn.send(cmd)
+            kind, value = self.conn.recv()
+        if kind != "ok":
+            raise RuntimeError(f"robot process: {value}")
+        return value
+
+    def start(self) -> None:
+        self._request("start")
+
+    def stats(self) -> Dict[str, Any]:
+        if self._final is not None:
+            return self._final
+        try:
+            return self._request("stats")
+        except (EOFError, OSError, RuntimeError) as e:
+            return {"published": {}, "driver": {}, "sim": {}, "faults": {"robot_process": str(e)}}
+
+    def stop(self) -> Dict[str, Any]:
+        if self._final is None:
+            self._final = self._request("stop")
+        return self._final
+
+    def shutdown(self) -> None:
+        try:
+            with self._lock:
+                self.conn.send("shutdown")
+        except (OSError, EOFError):
+            pass
+        self.proc.join(timeout=15.0)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout=5.0)
 
 
 @dataclass
@@ -397,6 +556,7 @@ class GraphRun:
     monitor: Optional[GraphMonitor]
     nodes: Dict[str, Node]
     diagnostics: Dict[str, Any]
+    robot: Dict[str, Any] = field(default_factory=dict)
 
 
 def run_graph(duration_s: float, config: Optional[GraphConfig] = None, *, context=None,
@@ -419,6 +579,9 @@ def run_graph(duration_s: float, config: Optional[GraphConfig] = None, *, contex
             for node in graph.nodes.values():
                 if getattr(node, "fault", None) is not None:
                     raise RuntimeError(f"{node.get_name()} stopped: {node.fault}")
+            faults = graph.robot.stats()["faults"] if graph.robot is not None else {}
+            if faults:
+                raise RuntimeError(f"robot process: {faults}")
         elapsed = time.monotonic() - t0
         stop_sources(graph)
         drain(graph, drain_s)
@@ -427,7 +590,8 @@ def run_graph(duration_s: float, config: Optional[GraphConfig] = None, *, contex
         return GraphRun(duration_s=elapsed, drops=drops,
                         dropped_messages=int(sum(sum(v.values()) for v in drops.values())),
                         received=graph.received(), published=graph.published_counts(), monitor=mon,
-                        nodes=graph.nodes, diagnostics=dict(mon.diagnostics) if mon else {})
+                        nodes=graph.nodes, diagnostics=dict(mon.diagnostics) if mon else {},
+                        robot=graph.robot_stats())
     finally:
         graph.shutdown()
 
@@ -455,6 +619,8 @@ def drain(graph: Graph, timeout_s: float = 15.0, settle_s: float = 0.5) -> bool:
 def stop_sources(graph: Graph) -> None:
     """Stop the streams at their sources (simulation thread, driver loop), keep the executor spinning so
     queued messages are delivered (used before counting drops)."""
+    if graph.robot is not None:
+        graph.robot.stop()
     sim = graph.nodes.get("sim_robot")
     if sim is not None:
         sim._stop.set()

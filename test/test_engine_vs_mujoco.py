@@ -2,9 +2,8 @@
 
 Integrator pairing: where strings go slack (icosahedron with random velocities) the twin must apply the
 contract's D > 0 gate, which it can only do with its Euler-type integrators (``implicitfast``); the spring-rod
-uses MuJoCo's RK4. The manipulator's strings are damped too hard for explicit steps at 1 ms (MuJoCo's RK4
-diverges too): engine ``implicit`` vs MuJoCo ``implicitfast`` at 0.25 ms (see docs/engine.md for the
-convergence study).
+uses MuJoCo's implicitfast too. The manipulator (all strings taut): engine ``implicit`` at 1 ms vs MuJoCo RK4
+at 0.25 ms substeps (see docs/engine.md for the convergence study).
 """
 from __future__ import annotations
 
@@ -64,15 +63,18 @@ def _rms_mm(a, b):
 
 
 def test_spring_rod_vs_mujoco():
+    """The seed's rod between two nails, launched away from them: the springs stretch, go slack and re-tighten
+    (both sides taut ~40 % of the time). Engine: the seed's semi-implicit Euler; twin: implicitfast (gate on)."""
     s = load_structure(MODELS / "spring_rod.yaml")
     X0 = np.array([n.position for n in s.nodes])
     V0 = np.zeros_like(X0)
-    V0[2:] = np.random.default_rng(0).normal(0.0, 0.5, (2, 3))
+    V0[2], V0[3] = (0.1, 0.2, -0.5), (-0.1, 0.3, -0.3)
     xe, X0p, V0p = _engine(s, "spring_rod", "semi_implicit", X0, V0, 2000)
-    xm = _mujoco(s, X0p, V0p, 2000, "RK4")
+    xm = _mujoco(s, X0p, V0p, 2000, "implicitfast")
     rms, worst = _rms_mm(xe, xm)
-    print(f"spring-rod vs MuJoCo, 2 s: RMS {rms * 1e3:.3f} um, max {worst * 1e3:.3f} um")
-    assert float(np.abs(xe[-1] - X0).max()) > 0.01  # it moved
+    print(f"spring-rod vs MuJoCo, 2 s: RMS {rms:.3f} mm, max {worst:.3f} mm")
+    stretch = np.linalg.norm(xe[:, [2, 3]] - xe[:, [0, 1]], axis=-1) - np.array([st.rest_length for st in s.strings])
+    assert ((stretch > 0).mean(axis=0) > 0.2).all()  # the springs do act
     assert rms < 1.0
 
 
@@ -90,8 +92,9 @@ def test_icosahedron_vs_mujoco():
 
 @pytest.mark.skipif(not (MODELS / "stacked_manipulator.yaml").exists(), reason="no manipulator model")
 def test_manipulator_vs_mujoco_one_period():
-    """Engine: implicit-damping Euler at 1 ms (0.04 mm RMS from the converged trajectory). MuJoCo:
-    implicitfast at 0.25 ms (its 1 ms trajectory is itself 6.7 mm RMS from converged, 0.25 ms: 2.5 mm)."""
+    """Engine: implicit-damping Euler at 1 ms (0.04 mm RMS from its converged trajectory). MuJoCo: RK4 at 1 ms
+    (0.16 mm from the same), or at 0.25 ms substeps if the strings are damped too hard for RK4 at 1 ms. (MuJoCo's
+    implicitfast is first order with a large constant here: 12 mm at 1 ms, 3.6 mm at 0.25 ms.)"""
     from tensegrity_ros import references as R
     s = load_structure(MODELS / "stacked_manipulator.yaml")
     n = 7000
@@ -100,7 +103,9 @@ def test_manipulator_vs_mujoco_one_period():
     u, ud = R.motor_angles(ref, s, t), R.motor_velocities(ref, s, t)
     X0 = np.array([nd.position for nd in s.nodes])
     xe, X0p, V0p = _engine(s, "nodal", "implicit", X0, np.zeros_like(X0), n, u, ud)
-    xm = _mujoco(s, X0p, V0p, n, "implicitfast", u, ud, substeps=4)
+    xm = _mujoco(s, X0p, V0p, n, "RK4", u, ud)
+    if not np.isfinite(xm).all():
+        xm = _mujoco(s, X0p, V0p, n, "RK4", u, ud, substeps=4)
     rms, worst = _rms_mm(xe, xm)
     print(f"manipulator vs MuJoCo, one 7 s period of the seed drive: RMS {rms:.3f} mm, max {worst:.3f} mm")
     assert float(np.abs(xe - X0).max()) > 0.02  # the drive moves it by centimetres

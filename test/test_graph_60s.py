@@ -1,8 +1,11 @@
-"""The whole graph in one process (tensegrity_ros.bringup) for 60 s against the simulated robot: sim_robot
-(MuJoCo twin + emulated Dynamixel bus on a pty), dynamixel_driver (real SDK on that pty, driving the reference),
-mocap_ingest, online_identifier, state_predictor, and a monitor. Every topic flows, and no message is lost on
+"""The whole graph (tensegrity_ros.bringup) for 60 s against the simulated robot: sim_robot (MuJoCo twin +
+emulated Dynamixel bus on a pty) and dynamixel_driver (real SDK on that pty, driving the reference) in the
+robot's process, mocap_ingest, online_identifier, state_predictor and a monitor in the graph's process. Every topic flows, and no message is lost on
 any subscription: DDS publication-sequence gaps and published-minus-received counts, after the streams stop
-and the queues drain, are all zero. ~75 s (60 s of motion + worker start-up + drain)."""
+and the queues drain, are all zero. ~75 s (60 s of motion + worker start-up + drain).
+
+Mocap runs at 60 Hz here (the robot's 80-Hz motor loop unchanged): this test checks the plumbing and must pass
+on a shared CI machine; the 120-Hz real-time figures (latency, drops over 5 minutes) are bench/bench_graph.py's."""
 from __future__ import annotations
 
 import os
@@ -13,14 +16,15 @@ from tensegrity_ros.bringup import GraphConfig, run_graph
 from tensegrity_ros.nodes import _common as C
 
 DURATION_S = float(os.environ.get("TENSEGRITY_GRAPH_TEST_S", "60"))
+MOCAP_HZ = 60.0
 
 
 def test_graph_runs_60s_with_zero_drops():
-    run = run_graph(DURATION_S, GraphConfig())
+    run = run_graph(DURATION_S, GraphConfig(robot_process=True, overrides={"sim_robot": {"mocap_rate_hz": MOCAP_HZ}}))
     rx, pub = run.received, run.published
     # every stream flowed (rates loose: the CI machine may be shared)
-    expect = {C.TOPICS["markers"]: 120, C.TOPICS["node_states"]: 120, C.TOPICS["plate_c1"]: 120,
-              C.TOPICS["plate_c2"]: 120, C.TOPICS["ground_truth"]: 120, C.TOPICS["motor_states"]: 80}
+    expect = {C.TOPICS["markers"]: MOCAP_HZ, C.TOPICS["node_states"]: MOCAP_HZ, C.TOPICS["plate_c1"]: MOCAP_HZ,
+              C.TOPICS["plate_c2"]: MOCAP_HZ, C.TOPICS["ground_truth"]: MOCAP_HZ, C.TOPICS["motor_states"]: 80}
     for topic, rate in expect.items():
         assert rx.get(topic, 0) >= 0.25 * rate * DURATION_S, f"{topic}: only {rx.get(topic, 0)} messages"
     assert rx.get(C.TOPICS["predicted_states"], 0) > 0, "no predictions"
@@ -34,4 +38,5 @@ def test_graph_runs_60s_with_zero_drops():
     for name, node in run.nodes.items():
         assert getattr(node, "fault", None) is None, f"{name}: {node.fault}"
         assert getattr(node, "callback_errors", 0) == 0, f"{name}: {node.last_callback_error}"
-    assert run.nodes["dynamixel_driver"].fault is None
+    assert not run.robot["faults"], run.robot["faults"]
+    assert run.robot["driver"]["cycles"] > 0.25 * 80 * DURATION_S

@@ -184,3 +184,37 @@ def test_fast_codecs_match_rclpy():
     assert np.isnan(r.effort).all()
     empty = serialize_message(JointState())
     assert C.joint_state_from_cdr(empty).names == ()
+
+
+def test_run_node_exits_cleanly_on_sigterm_and_refuses_bad_parameters(tmp_path):
+    """`main` of a node (C.run_node): SIGTERM -> destroy_node and exit 0; a bad parameter -> one line, exit 1."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    model = Path(__file__).resolve().parents[1] / "config" / "models" / "icosahedron.yaml"
+    code = "import sys; from tensegrity_ros.nodes.mocap_ingest import main; sys.exit(main())"
+    env = {**os.environ, "ROS_DOMAIN_ID": os.environ.get("ROS_DOMAIN_ID", "0")}
+    proc = subprocess.Popen([sys.executable, "-c", code, "--ros-args", "-r", "__node:=ingest_sig",
+                             "-p", f"model_file:={model}"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        out = ""
+        while time.monotonic() < deadline and "waiting for markers" not in out:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            out += line
+        assert "waiting for markers" in out, out
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    bad = subprocess.run([sys.executable, "-c", code, "--ros-args", "-p", f"model_file:={tmp_path / 'missing.yaml'}"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "model_file" in bad.stderr and "no such file" in bad.stderr

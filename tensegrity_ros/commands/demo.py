@@ -20,7 +20,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--duration", type=float, default=30.0,
-                        help="seconds of robot motion (default 30: the 2-s ramp and ~4 periods of 7 s)")
+    parser.add_argument("--duration", type=float, default=35.0,
+                        help="seconds of robot motion (default 35: the 2-s ramp and ~4.7 periods of 7 s)")
     parser.add_argument("--out", default="build/demo", help="output folder (default build/demo)")
     parser.add_argument("--model", default=str(ROOT / "config" / "models" / "stacked_manipulator.yaml"),
                         help="nominal structure YAML")
@@ -41,6 +41,9 @@ def add_arguments(parser) -> None:
                         help="spread of the true robot's stiffnesses and dampings around the nominal (default 0.2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the true robot's perturbation")
     parser.add_argument("--no-bag", action="store_true", help="do not record the MCAP bag")
+    parser.add_argument("--one-process", dest="robot_process", action="store_false",
+                        help="run the simulated robot (twin, emulated bus, driver) in the graph's own process "
+                             "too (default: a child process, like a real robot's separate driver)")
 
 
 # =====================================================================================================
@@ -111,17 +114,18 @@ def _status(graph, truth, est_names, t0_ros, elapsed, nominal_err) -> Tuple[str,
     if preds and len(gt) > 10:
         t = np.array([g[0] for g in gt])
         P = np.stack([g[1] for g in gt])
-        _, rms, _ = prediction_errors(preds, t, P, nodes["sim_robot"].true_structure.node_names)
+        _, rms, _ = prediction_errors(preds, t, P, graph.true_structure.node_names)
         pe = float(np.median(rms) * 1e3) if rms.size else math.nan
-    drv = nodes["dynamixel_driver"].core.stats
+    drv = graph.robot_stats()["driver"]
     ing = nodes["mocap_ingest"]
     pr = nodes["state_predictor"]
     idn = nodes["online_identifier"]
-    vals = {"t": elapsed, "param_err": perr, "pred_err": pe, "mocap_hz": ing.rate.rate(), "motor_hz": drv.loop_rate_hz,
+    motor_hz = drv.get("loop_rate_hz", math.nan)
+    vals = {"t": elapsed, "param_err": perr, "pred_err": pe, "mocap_hz": ing.rate.rate(), "motor_hz": motor_hz,
             "lat_p50": _pct(pr.latency, 50), "accepted": idn.stats["accepted"], "rejected": idn.stats["rejected"]}
     text = (f"t={elapsed:5.1f}s | params: median error {perr:5.1f}% vs true (nominal {nominal_err:.1f}%), "
             f"{idn.stats['accepted']} sets accepted, {idn.stats['rejected']} rejected | 1-s prediction error "
-            f"{pe:6.2f} mm | mocap {vals['mocap_hz']:5.1f} Hz, motors {drv.loop_rate_hz:5.1f} Hz, "
+            f"{pe:6.2f} mm | mocap {vals['mocap_hz']:5.1f} Hz, motors {motor_hz:5.1f} Hz, "
             f"predictor p50 {vals['lat_p50']:.2f} ms")
     return text, vals
 
@@ -149,22 +153,21 @@ def run(args) -> int:
 
     topics_every = {"/tensegrity/predicted_states": 12}
     cfg = GraphConfig(model_file=args.model, reference_file=args.reference, perturb_fraction=args.perturb,
-                      overrides={"sim_robot": {"perturb_seed": int(args.seed)}},
+                      overrides={"sim_robot": {"perturb_seed": int(args.seed)}}, robot_process=args.robot_process,
                       record_topics=None if args.no_bag else ["*"], record_every=topics_every,
                       keep_predictions_every=6)
     progress = _Progress()
     sys.stderr.write(f"tensegrity demo: starting the graph ({nominal.name}, worker processes warm up ~10 s)...\n")
     graph = build_graph(cfg)
     try:
-        sim = graph.nodes["sim_robot"]
-        true_structure = sim.true_structure
+        true_structure = graph.true_structure
         truth = {n: float(v) for n, v in params_from_structure(true_structure).named().items()}
         nom = {n: float(v) for n, v in params_from_structure(nominal).named().items()}
         est_names = [n for n in nom if n.rpartition(".")[2] in graph.nodes["online_identifier"].p["estimate"]]
         nominal_err = float(np.median(list(parameter_errors(nom, truth, est_names).values())))
         graph.spin_in_background()
         t0 = time.monotonic()
-        t0_ros = sim.now_s()
+        t0_ros = graph.nodes["state_predictor"].now_s()
         history = []
         while True:
             elapsed = time.monotonic() - t0
@@ -174,6 +177,9 @@ def run(args) -> int:
             for node in graph.nodes.values():
                 if getattr(node, "fault", None) is not None:
                     raise UserError(f"{node.get_name()} stopped: {node.fault}")
+            faults = graph.robot_stats()["faults"]
+            if faults:
+                raise UserError(f"the simulated robot stopped: {faults}")
             text, vals = _status(graph, truth, est_names, t0_ros, time.monotonic() - t0, nominal_err)
             history.append(vals)
             progress.line(text)
@@ -205,11 +211,12 @@ def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_
     gt = list(mon.ground_truth)
     t_gt = np.array([g[0] for g in gt]) if gt else np.zeros(0)
     P_gt = np.stack([g[1] for g in gt]) if gt else np.zeros((0, 0, 3))
-    names = nodes["sim_robot"].true_structure.node_names
+    names = graph.true_structure.node_names
     stamps, rms, end = prediction_errors(list(mon.predictions), t_gt, P_gt, names) if gt else (np.zeros(0),) * 3
     half = stamps >= (stamps[0] + stamps[-1]) / 2 if stamps.size else np.zeros(0, bool)
-    drv = nodes["dynamixel_driver"].core.stats
-    pr, idn, ing, sim = nodes["state_predictor"], nodes["online_identifier"], nodes["mocap_ingest"], nodes["sim_robot"]
+    robot = graph.robot_stats()
+    drv, sim = robot["driver"], robot["sim"]
+    pr, idn, ing = nodes["state_predictor"], nodes["online_identifier"], nodes["mocap_ingest"]
     drops = graph.drops()
     accepted = [p for p in mon.parameter_sets if p.set_id != "nominal"]
     first_ok = (accepted[0].stamp - t0_ros) if accepted else None
@@ -237,15 +244,15 @@ def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_
         "all_delivered": bool(drained),
         "messages": graph.received(),
         "rates": {"mocap_hz": ing.frames / duration if duration else math.nan,
-                  "driver_loop_hz": drv.loop_rate_hz, "driver_cycles": drv.cycles,
-                  "driver_missed_cycles": drv.missed_cycles, "sim_realtime_factor": sim.rtf,
+                  "driver_loop_hz": drv.get("loop_rate_hz"), "driver_cycles": drv.get("cycles"),
+                  "driver_missed_cycles": drv.get("missed_cycles"), "sim_realtime_factor": sim.get("realtime_factor"),
                   "ingest_ms_p50": _pct(ing.proc_time, 50), "ingest_ms_p99": _pct(ing.proc_time, 99)},
+        "robot_process": graph.robot is not None,
         "progress": history,
     }
 
 
 def _report(graph, summary, truth, nom, est_names, t0_ros, out: Path, nominal, true_structure) -> List[Path]:
-    from ..engine import apply_to_structure
     from ..model import dump_structure
     from ..report.figures import parameter_table, plate_motion, plot_convergence, plot_plate_motion
 

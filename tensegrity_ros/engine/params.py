@@ -340,7 +340,8 @@ def apply_to_structure(structure: Structure, params: Params,
     m = vals("mass")
     bars = tuple(dataclasses.replace(b, mass=m[i]) for i, b in enumerate(structure.bars))
     sr, z = vals("spool_radius"), vals("zero_offset")
-    acts = tuple(dataclasses.replace(a, spool_radius=sr[i], zero_offset=z[i]) for i, a in enumerate(structure.actuators))
+    acts = tuple(dataclasses.replace(a, spool_radius=sr[i], zero_offset=z[i])
+                 for i, a in enumerate(structure.actuators))
     std = dict(structure.std_devs)
     if std_devs:
         known = set(params.named())

@@ -350,9 +350,11 @@ PARAMS = (
     ParamSpec("stage2_iterations", 5, "stage-2 (L-BFGS) iterations per update; 0 = stage 1 only",
               range=(0, 1000)),
     ParamSpec("stage2_window_s", 0.25, "stage-2 multiple-shooting window [s]", range=(0.01, 10.0)),
-    ParamSpec("stage2_max_windows", 8, "stage-2 windows per update (spread over the sliding window)",
+    ParamSpec("stage2_max_windows", 4, "stage-2 windows per update (spread over the sliding window)",
               range=(1, 1000)),
-    ParamSpec("max_update_s", 10.0, "wall-time budget of one update [s]", range=(0.1, 3600.0)),
+    ParamSpec("max_update_s", 6.0, "wall-time budget of stage 2 per update [s]", range=(0.1, 3600.0)),
+    ParamSpec("max_duty", 0.5, "largest share of the time the worker computes (after an update of T s it rests "
+              "T (1/duty - 1) s)", range=(0.01, 1.0)),
     ParamSpec("delay_s", 0.0, "motor-to-mocap delay [s]", range=(0.0, 1.0)),
     ParamSpec("noise_std_m", 0.0, "marker noise for the stage-2 loss [m] (0 = estimate)", range=(0.0, 0.1)),
     ParamSpec("device", "auto", "stage-2 device: auto (cuda when present) | cpu | cuda",
@@ -360,7 +362,7 @@ PARAMS = (
     ParamSpec("torch_threads", 1, "torch intra-op threads during an update", range=(1, 256), read_only=True),
     ParamSpec("worker", "process", "where updates run: process (a spawned child: never holds the callbacks' "
               "GIL) | thread", choices=C.WORKER_KINDS, read_only=True),
-    ParamSpec("worker_nice", 5, "niceness of the worker process (background work)", range=(0, 19),
+    ParamSpec("worker_nice", 10, "niceness of the worker process (background work)", range=(0, 19),
               read_only=True),
     ParamSpec("max_residual_ratio", 3.0, "reject a fit whose residual exceeds this x the recent accepted ones",
               range=(1.0, 1000.0)),
@@ -409,7 +411,9 @@ class OnlineIdentifierNode(C.GraphNode):
         self.accepted_residuals: List[float] = []
         self.seq = C.SequenceMonitor()
         self.update_time = C.RollingStats(500)
-        self.stats = {"updates": 0, "accepted": 0, "rejected": 0, "skipped_busy": 0, "skipped_short": 0}
+        self.stats = {"updates": 0, "accepted": 0, "rejected": 0, "skipped_busy": 0, "skipped_duty": 0,
+                      "skipped_short": 0}
+        self._last_update_s, self._last_update_end = 0.0, -math.inf
         self.last_decision: Optional[Decision] = None
         self.last_candidate: Optional[Candidate] = None
         self.last_window = (0.0, 0.0)
@@ -459,6 +463,11 @@ class OnlineIdentifierNode(C.GraphNode):
     def _on_timer(self) -> None:
         if self._future is not None and not self._future.done():
             self.stats["skipped_busy"] += 1
+            return
+        # duty cycle: after an update that took T, rest T (1/duty - 1) so the worker leaves CPU to the rest
+        rest = self._last_update_s * (1.0 / self.p["max_duty"] - 1.0)
+        if time.monotonic() - self._last_update_end < rest:
+            self.stats["skipped_duty"] += 1
             return
         snap = self.window.snapshot(self.p["min_window_s"])
         if snap is None:
@@ -512,7 +521,9 @@ class OnlineIdentifierNode(C.GraphNode):
             cand, params = self._collect(out)
         except Exception as e:   # the worker died or refused: keep the last good set
             cand, params = Candidate({}, ok=False, error=f"{type(e).__name__}: {e}"), None
-        self.update_time.add(time.perf_counter() - t0)
+        self._last_update_s = time.perf_counter() - t0
+        self._last_update_end = time.monotonic()
+        self.update_time.add(self._last_update_s)
         self.consider(cand, params, (float(times[0]), float(times[-1])), len(times))
 
     def consider(self, cand: Candidate, params, window: Tuple[float, float], samples: int = 0) -> Decision:

@@ -119,6 +119,7 @@ class SimRobotNode(C.GraphNode):
         if p["publish_ground_truth"]:
             self.pub_truth = self.counting_publisher(NodeStates, C.TOPICS["ground_truth"], C.STREAM_QOS)
         self.frames = 0
+        self.skipped_frames = 0
         self.lag = C.RollingStats(2000)
         self.rtf = math.nan
         self.last_truth = None        # (stamp, positions (N, 3), velocities (N, 3))
@@ -149,29 +150,41 @@ class SimRobotNode(C.GraphNode):
             self._thread.start()
 
     def _loop(self) -> None:
+        """Frames on a wall-clock schedule; each tick steps the twin up to the current time (scaled by
+        ``realtime_factor``) with the motors' present angles, then publishes. A tick that comes too late
+        (a busy CPU) is not made up: like a mocap system, the frame is skipped (``skipped_frames``), so the
+        stamps, the twin's time and the motor angles it was driven with always agree."""
         p = self.p
         period = 1.0 / p["mocap_rate_hz"]
-        n_sub = max(1, int(round(period / self.sim.dt)))
+        dt = self.sim.dt
         rtf = p["realtime_factor"]
         t0_wall = time.monotonic()
         t0_ros = self.now_s()
         t0_sim = self.sim.time
-        k = 0
+        next_tick = t0_wall + period
         try:
             while not self._stop.is_set():
-                k += 1
-                self.sim.step(self.motor_angles(), n_steps=n_sub)
-                sim_elapsed = self.sim.time - t0_sim
-                due = t0_wall + sim_elapsed / rtf
-                ahead = due - time.monotonic()
+                ahead = next_tick - time.monotonic()
                 if ahead > 0:
                     self._stop.wait(ahead)
-                else:
-                    self.lag.add(-ahead)
-                self._publish(t0_ros + sim_elapsed / rtf)
-                if k % 120 == 0:
+                    if self._stop.is_set():
+                        break
+                now = time.monotonic()
+                late = now - next_tick
+                if late > period:                     # skip the frames we are late for
+                    missed = int(late // period)
+                    self.skipped_frames += missed
+                    next_tick += missed * period
+                    self.lag.add(late)
+                target = t0_sim + (next_tick - t0_wall) * rtf
+                n = int(round((target - self.sim.time) / dt))
+                if n > 0:
+                    self.sim.step(self.motor_angles(), n_steps=n)
+                self._publish(t0_ros + (self.sim.time - t0_sim) / rtf)
+                next_tick += period
+                if self.frames % 120 == 0:
                     wall = time.monotonic() - t0_wall
-                    self.rtf = sim_elapsed / wall if wall > 0 else math.nan
+                    self.rtf = (self.sim.time - t0_sim) / wall if wall > 0 else math.nan
         except Exception as e:  # pragma: no cover - reported, node keeps its services
             self.fault = e
             self.get_logger().error(f"simulation stopped: {type(e).__name__}: {e}")
@@ -189,8 +202,8 @@ class SimRobotNode(C.GraphNode):
                                                         np.ones(len(P), dtype=bool), "structure", "ground truth"))
 
     def _diagnostics(self) -> None:
-        vals: Dict[str, object] = {"frames": self.frames, "realtime_factor": self.rtf,
-                                   "sim_time_s": self.sim.time}
+        vals: Dict[str, object] = {"frames": self.frames, "skipped_frames": self.skipped_frames,
+                                   "realtime_factor": self.rtf, "sim_time_s": self.sim.time}
         vals.update(self.lag.summary(1e3, "lag_ms_"))
         u = self.motor_angles()
         if u is not None:

@@ -350,15 +350,16 @@ class HorizonPredictor:
         self._auto_substeps: Dict[tuple, int] = {}
         self.max_growth_per_s = 100.0
         self.capped = 0
+        self.last_deviation = 0.0   # largest |measured - nominal| position component of the last prediction, m
         self.last_substeps = self.substeps
 
     # ---- helpers -----------------------------------------------------------------------------------
     def full_positions(self, Q: np.ndarray) -> np.ndarray:
         """(..., nf, 3) free-node positions -> (..., N, 3) all nodes (X = T Q + X_c)."""
-        return np.einsum("nf,...fj->...nj", self.T, Q) + self.Xc
+        return np.matmul(self.T, Q) + self.Xc
 
     def full_velocities(self, V: np.ndarray) -> np.ndarray:
-        return np.einsum("nf,...fj->...nj", self.T, V)
+        return np.matmul(self.T, V)
 
     def split(self, x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """(..., n) state -> free-node positions, velocities (..., nf, 3)."""
@@ -586,23 +587,31 @@ class HorizonPredictor:
         # the correction is first order: bounded to 3x the initial deviation (min 5 mm, 50 mm/s), so a
         # linearisation about a far-off nominal (wrong parameters, a violent transient) cannot blow up
         npos = 3 * self.nf
-        cap_p = max(3.0 * float(np.abs(d[:npos]).max(initial=0.0)), 5e-3)
+        self.last_deviation = float(np.abs(d[:npos]).max(initial=0.0))
+        cap_p = max(3.0 * self.last_deviation, 5e-3)
         cap_v = max(3.0 * float(np.abs(d[npos:]).max(initial=0.0)), 5e-2)
-        capped = False
-        for k in range(steps):
-            d = A[i0 + k] @ d
-            if du is not None:
-                d = d + B[i0 + k] @ du[k]
-            mp, mv = np.abs(d[:npos]).max(), np.abs(d[npos:]).max()
-            if mp > cap_p or mv > cap_v or not (math.isfinite(mp) and math.isfinite(mv)):
-                capped = True
+        D = np.empty((steps, d.size))
+        prev = d
+        Bu = None if du is None else np.matmul(B[i0:i0 + steps], du[:, :, None])[:, :, 0]
+        for k in range(steps):           # one matrix-vector product per step (the hot loop)
+            np.matmul(A[i0 + k], prev, out=D[k])
+            if Bu is not None:
+                D[k] += Bu[k]
+            prev = D[k]
+        peak_p, peak_v = np.abs(D[:, :npos]).max(), np.abs(D[:, npos:]).max()
+        if not (peak_p <= cap_p and peak_v <= cap_v):      # rare: redo with the bound (NaN included)
+            self.capped += 1
+            prev = d
+            for k in range(steps):
+                nxt = A[i0 + k] @ prev + (0.0 if Bu is None else Bu[k])
+                mp, mv = np.abs(nxt[:npos]).max(), np.abs(nxt[npos:]).max()
                 if not (math.isfinite(mp) and math.isfinite(mv)):
-                    d = np.zeros_like(d)
+                    nxt = np.zeros_like(nxt)
                 else:
-                    d[:npos] *= min(1.0, cap_p / mp)
-                    d[npos:] *= min(1.0, cap_v / mv)
-            out[k] += d
-        self.capped += int(capped)
+                    nxt[:npos] *= min(1.0, cap_p / max(mp, 1e-300))
+                    nxt[npos:] *= min(1.0, cap_v / max(mv, 1e-300))
+                D[k] = prev = nxt
+        out += D
         nf = self.nf
         return out[:, :3 * nf].reshape(steps, nf, 3), out[:, 3 * nf:].reshape(steps, nf, 3), i0
 
@@ -659,10 +668,12 @@ PARAMS = (
     ParamSpec("integrator", "semi_implicit", "engine integrator", choices=("semi_implicit", "rk4"), read_only=True),
     ParamSpec("horizon_s", 1.0, "prediction horizon [s]", range=(0.01, 10.0), read_only=True),
     ParamSpec("dt", 0.01, "prediction step [s]", range=(1e-4, 0.1), read_only=True),
-    ParamSpec("relinearize_period_s", 1.0, "refresh of the nominal trajectory and its Jacobians [s]",
-              range=(0.02, 60.0)),
-    ParamSpec("nominal_margin_s", 0.0, "nominal horizon beyond horizon_s [s]; 0 = automatic: the refresh "
-              "period + 1.5 x the last relinearisation time + 0.2 s", range=(0.0, 60.0)),
+    ParamSpec("relinearize_period_s", 1.0, "shortest time between two relinearisations [s]", range=(0.02, 60.0)),
+    ParamSpec("relinearize_max_age_s", 3.0, "relinearise when the nominal is this old [s]", range=(0.05, 600.0)),
+    ParamSpec("relinearize_deviation_m", 0.005, "relinearise (after relinearize_period_s) when a measured state is "
+              "this far from the nominal [m]", range=(0.0, 10.0)),
+    ParamSpec("nominal_margin_s", 0.0, "nominal horizon beyond horizon_s [s]; 0 = automatic: relinearize_max_age_s "
+              "+ 1.5 x the relinearisation time + 0.2 s", range=(0.0, 60.0)),
     ParamSpec("substeps", 0, "engine steps per prediction step for the Jacobians (0 = automatic: the shortest "
               "power of two that is stable)", range=(0, 4096), read_only=True),
     ParamSpec("nominal", "twin", "nominal rollout: twin (MuJoCo model of the current parameters) | engine",
@@ -681,6 +692,8 @@ PARAMS = (
     ParamSpec("torch_threads", 1, "torch intra-op threads (process-wide)", range=(1, 256), read_only=True),
     ParamSpec("worker", "process", "where relinearisations run: process (a spawned child: never holds the "
               "callbacks' GIL) | thread", choices=C.WORKER_KINDS, read_only=True),
+    ParamSpec("worker_nice", 0, "niceness of the worker process (raise it to favour the per-message path)",
+              range=(0, 19), read_only=True),
     ParamSpec("diagnostics_period_s", 1.0, "diagnostics period [s]", range=(0.05, 60.0), read_only=True),
 )
 
@@ -750,7 +763,8 @@ class StatePredictorNode(C.GraphNode):
             self.subscribe(JointState, C.TOPICS["motor_plan"], self._on_joint_state_plan, 10, info=False)
         self.srv = self.create_service(GetLinearization, "~/get_linearization", self._on_get_linearization)
         self.timer = self.every(p["diagnostics_period_s"], self._diagnostics)
-        self._pool = C.make_worker(p["worker"], C.worker_init, (p["torch_threads"], 0))
+        self._pool = C.make_worker(p["worker"], C.worker_init,
+                                   (p["torch_threads"], p["worker_nice"] if p["worker"] == "process" else 0))
         self._key = id(self)
         self.worker_pid = self._pool.submit(core_job, self._key, self.structure, self.core_options).result()
         self._thread = threading.Thread(target=self._linearizer, name="state-predictor-linearizer", daemon=True)
@@ -814,11 +828,17 @@ class StatePredictorNode(C.GraphNode):
                 continue
             now = time.monotonic()
             lin = self._lin
-            stale = lin is None or not self.core.covers(lin, rec.stamp, self.steps + 1)
-            if not (stale or now >= next_due or pv != seen_params or self.future.version != seen_plan):
+            p = self.p
+            # relinearise before the nominal stops covering the messages that arrive while it is computed
+            lookahead = 1.5 * (self.lin_time.percentile(90) if self.lin_time.count else 0.6) + 0.1
+            stale = lin is None or not self.core.covers(lin, rec.stamp + lookahead, self.steps + 1)
+            changed = pv != seen_params or self.future.version != seen_plan
+            due = now >= next_due and (lin is None or rec.stamp - lin.t0 >= p["relinearize_max_age_s"] or
+                                       self.core.last_deviation > p["relinearize_deviation_m"])
+            if not (stale or changed or due):
                 continue
             seen_params, seen_plan = pv, self.future.version
-            next_due = now + self.p["relinearize_period_s"]
+            next_due = now + p["relinearize_period_s"]
             try:
                 self._relinearize(rec, params, set_id)
             except Exception as e:   # keep predicting with the previous nominal; say why
@@ -856,7 +876,7 @@ class StatePredictorNode(C.GraphNode):
         margin = p["nominal_margin_s"]
         if margin <= 0:   # capped: on a starved CPU a longer nominal only takes longer to compute
             last = self.lin_time.percentile(90) if self.lin_time.count else 0.6
-            margin = min(p["relinearize_period_s"] + 1.5 * last + 0.2, p["relinearize_period_s"] + 2.0)
+            margin = min(p["relinearize_max_age_s"] + 1.5 * last + 0.2, p["relinearize_max_age_s"] + 2.0)
         return self.steps + max(2, int(math.ceil(margin / self.core.dt)))
 
     # ---- per message ---------------------------------------------------------------------------------------
