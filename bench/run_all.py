@@ -31,10 +31,10 @@ BENCHES = {
 
 #: (bench, json path, label, target text, check) — the headline figures.
 HEADLINES = [
-    ("engine", "manipulator.ratio_b1024_vs_rollout", "manipulator: engine b1024 / mujoco.rollout", ">= 20x", lambda v: v >= 20),
+    ("engine", "stacked_manipulator.ratio_b1024_vs_rollout", "manipulator: engine b1024 / mujoco.rollout", ">= 20x", lambda v: v >= 20),
     ("engine", "icosahedron.ratio_b1024_vs_rollout", "icosahedron: engine b1024 / mujoco.rollout", ">= 20x", lambda v: v >= 20),
-    ("engine", "manipulator.horizon_1s_b1_ms", "manipulator: 1-s horizon, batch 1 [ms]", "< 50", lambda v: v < 50),
-    ("engine", "manipulator.max_abs_error_vs_mujoco_mm", "manipulator: max |engine - MuJoCo| [mm]", "< 5", lambda v: v < 5),
+    ("engine", "stacked_manipulator.horizon_1s_b1_ms", "manipulator: 1-s horizon, batch 1 [ms]", "< 50", lambda v: v < 50),
+    ("engine", "stacked_manipulator.max_abs_error_vs_mujoco_mm", "manipulator: max |engine - MuJoCo| [mm]", "< 5", lambda v: v < 5),
     ("hardware", "loop.jitter_p99_ms", "driver loop jitter p99 at 80 Hz [ms]", "< 2", lambda v: v < 2),
     ("hardware", "loop.missed_cycles", "driver missed cycles", "0", lambda v: v == 0),
     ("identification", "spring_rod.ours.success_rate", "spring-rod success rate (ours)", "1.0", lambda v: v >= 1.0),

@@ -264,11 +264,23 @@ def compiled(name: str):
 
 
 def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tensor, u, udot, fext, n: int,
-            dt: float, integrator: str, opts: Options, chunk: int = 1, compile: bool = True):
+            dt: float, integrator: str, opts: Options, chunk: int = 1, compile: bool = True,
+            sub_batch: Optional[int] = None):
     """n steps from full node positions/velocities (B, N, 3); inputs time-major (T, B, ...) or None.
-    Returns positions, velocities (n, B, N, 3). Runs ``chunk`` steps per compiled call."""
+    Returns positions, velocities (n, B, N, 3). Runs ``chunk`` steps per compiled call; ``sub_batch`` splits a
+    large batch into pieces of at most that size run one after the other (keeps the working set in cache)."""
     B = max(X0.shape[0], params.mass.shape[0] if params.mass.dim() == 2 else 1)
     X0, V0 = X0.expand(B, *X0.shape[1:]), V0.expand(B, *V0.shape[1:])
+    if sub_batch is not None and B > sub_batch:
+        def part(x, sl, dim):
+            return x if x is None or x.dim() <= dim or x.shape[dim] != B else x[(slice(None),) * dim + (sl,)]
+        outs = []
+        for b0 in range(0, B, sub_batch):
+            sl = slice(b0, min(B, b0 + sub_batch))
+            p = params.map(lambda t: t[sl] if t.dim() >= 1 and params.mass.dim() == 2 and t.shape[0] == B else t)
+            outs.append(rollout(c, p, X0[sl], V0[sl], part(u, sl, 1), part(udot, sl, 1), part(fext, sl, 1), n, dt,
+                                integrator, opts, chunk, compile))
+        return torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 1)
     der = prepare_fast(c, params)
     Q, V = to_fast(c, X0), to_fast(c, V0)
     u, udot, fq = inputs_to_fast(c, u, udot, fext, B)
