@@ -583,7 +583,7 @@ class NodalEngine:
         if c.Cb_q.shape[0] == 0:
             return
         der = prepare(c, self.default_params().map(lambda t: t.double()))
-        Q = reduce(c, torch.as_tensor(self.topology.X0, dtype=torch.float64).unsqueeze(0))
+        Q = reduce(c, torch.as_tensor(self.topology.X0, dtype=torch.float64, device=c.T.device).unsqueeze(0))
         d = Q @ c.Cbt + c.dcT
         A = der.Gc * (d.mT @ d)
         ev = torch.linalg.eigvalsh(A[0])
