@@ -252,7 +252,7 @@ def test_ingest_entry_point(fixed_run):
 
 
 def test_stacked_manipulator_static_if_present():
-    """The manipulator (made by the twin's author): 24 marker nodes (virtual plate duplicates skipped),
+    """The stacked manipulator: 24 marker nodes (virtual plate duplicates skipped),
     3-fold symmetric, so it needs the guess; three occluded nodes come back; the seed's plate frames."""
     path = MODELS / "stacked_manipulator.yaml"
     if not path.exists():
