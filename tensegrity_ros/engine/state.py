@@ -6,11 +6,13 @@ their tensors) and have ``.map(fn)``. A rollout returns the same classes with a 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.utils._pytree as pytree
+
+from ._common import register_tensor_dataclass
 
 
 class _Tree:
@@ -28,24 +30,7 @@ class _Tree:
         return self.map(lambda t: t[index])
 
 
-def _register(cls):
-    names = [f.name for f in fields(cls)]
-
-    def flatten(obj):
-        return [getattr(obj, n) for n in names], None
-
-    def unflatten(children, _ctx):
-        return cls(*children)
-
-    def flatten_with_keys(obj):
-        return [(pytree.GetAttrKey(n), getattr(obj, n)) for n in names], None
-
-    pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=f"tensegrity_ros.engine.{cls.__name__}",
-                                flatten_with_keys_fn=flatten_with_keys)
-    return cls
-
-
-@_register
+@register_tensor_dataclass
 @dataclass(frozen=True)
 class State(_Tree):
     """Nodal state (rollouts: a leading time axis T is added to every field).
@@ -58,7 +43,7 @@ class State(_Tree):
     velocities: torch.Tensor
 
 
-@_register
+@register_tensor_dataclass
 @dataclass(frozen=True)
 class RodState(_Tree):
     """Spring-rod state: rod rigid-body state plus the derived node positions/velocities.
@@ -80,7 +65,7 @@ class RodState(_Tree):
     rod_angular_velocities: torch.Tensor
 
 
-@_register
+@register_tensor_dataclass
 @dataclass(frozen=True)
 class Inputs(_Tree):
     """Inputs for one step (``step``) or a sequence (``rollout``: add a leading time axis T to every field).
