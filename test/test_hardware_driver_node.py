@@ -1,5 +1,6 @@
 """The dynamixel_driver ROS node against the emulated bus (real SDK, real pty)."""
 import os
+import time
 
 import pytest
 
@@ -32,11 +33,17 @@ def test_node_topics_service_and_torque_off(rclpy_context, ros_executor, make_no
         probe.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
         pub = probe.create_publisher(JointState, "/tensegrity/motor_commands", 10)
 
+        last = [0.0]
+
         def command():
-            msg = JointState()
-            msg.name = ["m1", "m4"]
-            msg.position = [0.3, -0.2]
-            pub.publish(msg)
+            # Publish at 10 Hz like a real commander: republishing on every spin turns the executor into a
+            # busy ping-pong that holds the GIL against the in-process emulator and the driver's loop thread.
+            if time.monotonic() - last[0] > 0.1:
+                last[0] = time.monotonic()
+                msg = JointState()
+                msg.name = ["m1", "m4"]
+                msg.position = [0.3, -0.2]
+                pub.publish(msg)
             return bool(states) and abs(states[-1].position[0] - 0.3) < 0.02 \
                 and abs(states[-1].position[3] + 0.2) < 0.02
 
