@@ -59,6 +59,18 @@ def pytest_report_header(config):  # noqa: ARG001 - pytest hook signature
     return f"ROS_DOMAIN_ID={_DOMAIN_ID} ROS_AUTOMATIC_DISCOVERY_RANGE={os.environ.get('ROS_AUTOMATIC_DISCOVERY_RANGE')}"
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors: torch's intra-op threads only add overhead (and thrash on a loaded 2-core machine).
+    Use with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def rclpy_context():
     """A dedicated rclpy Context, initialised once per test session."""

@@ -16,13 +16,7 @@ from tensegrity_ros.model import load_structure, structure_from_dict
 MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and thrash on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---- exact oscillators ------------------------------------------------------------------------------

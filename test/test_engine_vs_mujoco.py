@@ -21,12 +21,7 @@ twin = pytest.importorskip("tensegrity_ros.twin")
 MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _mujoco(structure, X0, V0, n, integrator, u=None, ud=None, substeps=1):

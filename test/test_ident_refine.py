@@ -3,19 +3,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from tensegrity_ros.engine import params_from_structure
 from tensegrity_ros.ident import RefineOptions, refine
 from tensegrity_ros.ident.synthetic import actuated_pendulum, random_initial_state, simulate_dataset
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _motor(t):

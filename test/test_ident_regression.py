@@ -5,7 +5,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from tensegrity_ros.engine import params_from_structure
 from tensegrity_ros.ident import DataError, NotEnoughDataError, RegressionOptions, make_dataset, regress
@@ -15,12 +14,7 @@ from tensegrity_ros.model import load_structure
 MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _spring_rod_data(seed=0, steps=1500, backend="spring_rod"):
