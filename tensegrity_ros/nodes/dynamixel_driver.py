@@ -25,9 +25,7 @@ in the loop (the node then reports ERROR in diagnostics and ``main`` exits with 
 """
 from __future__ import annotations
 
-import logging
 import math
-import signal
 import sys
 import threading
 from typing import Any, Dict, Optional, Sequence
@@ -36,7 +34,6 @@ import numpy as np
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, SetParametersResult
-from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy, HistoryPolicy
 from sensor_msgs.msg import JointState
@@ -66,7 +63,9 @@ def _descriptor(text: str, *, fmin: Optional[float] = None, fmax: Optional[float
 
 
 class DynamixelDriverNode(Node):
-    def __init__(self, node_name: str = "dynamixel_driver", *, start: bool = True, **kwargs):
+    DEFAULT_NAME = "dynamixel_driver"
+
+    def __init__(self, node_name: str = DEFAULT_NAME, *, start: bool = True, **kwargs):
         super().__init__(node_name, **kwargs)
         self._core: Optional[DriverCore] = None
         self._emulator = None
@@ -333,39 +332,10 @@ class DynamixelDriverNode(Node):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from rclpy.signals import SignalHandlerOptions
+    """Spin the driver until SIGINT/SIGTERM (exit 0) or a fault (exit 1); torque goes off in destroy_node."""
+    from ._common import run_node
 
-    args = list(sys.argv if argv is None else argv)
-    rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
-    stop = threading.Event()
-
-    def _on_signal(signum, frame):
-        stop.set()
-
-    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    node = None
-    code = 0
-    try:
-        try:
-            node = DynamixelDriverNode()
-        except (DynamixelError, ValueError, OSError) as e:
-            logging.getLogger("dynamixel_driver").error("%s: %s", type(e).__name__, e)
-            print(f"dynamixel_driver: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
-        executor = SingleThreadedExecutor()
-        executor.add_node(node)
-        while not stop.is_set() and node.fault is None and rclpy.ok():
-            executor.spin_once(timeout_sec=0.1)
-        if node.fault is not None:
-            code = 1
-        executor.remove_node(node)
-    finally:
-        if node is not None:
-            node.destroy_node()  # torque off
-        for s, h in old.items():
-            signal.signal(s, h)
-        rclpy.try_shutdown()
-    return code
+    return run_node(DynamixelDriverNode, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover
