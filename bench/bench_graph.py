@@ -77,6 +77,7 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True) 
             "latency_max_ms": _pct(pr.latency, 100),
             "compute_p50_ms": _pct(pr.compute, 50), "compute_p99_ms": _pct(pr.compute, 99),
             "predictions": int(pr.pub.count), "predictions_skipped_uncovered": int(pr.skipped_uncovered),
+            "predictions_extended": int(pr.stream.extended),
             "relinearize_ms_p50": _pct(pr.lin_time, 50), "relinearize_ms_p99": _pct(pr.lin_time, 99),
             "identifier_update_s_p50": _pct(idn.update_time, 50, 1.0),
             "identifier_update_s_p99": _pct(idn.update_time, 99, 1.0),

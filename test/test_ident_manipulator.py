@@ -26,7 +26,9 @@ def test_manipulator_small():
     try:
         s = load_structure(ROOT / "config" / "models" / "stacked_manipulator.yaml")
         ref = load_reference(ROOT / "config" / "references" / "seed_sinusoids.yaml")
-        traj = simulate(s, lambda t: motor_angles(ref, s.actuators, t), 5.0, record_hz=120.0, progress=False)
+        # RK4: the converged twin (implicitfast is mm-level off the physics at 1 ms on this model)
+        traj = simulate(s, lambda t: motor_angles(ref, s.actuators, t), 5.0, record_hz=120.0, progress=False,
+                        integrator="RK4")
         rng = np.random.default_rng(0)
         full = drop_frames(add_marker_noise(make_dataset(traj.times, traj.positions, None, traj.motor_angles),
                                             1e-3, rng), 0.05, rng)
@@ -53,6 +55,11 @@ def test_manipulator_small():
         probe = RefineProblem(s, [held_out], prior, RefineOptions(kinds=(), window_s=0.1, smooth_window_s=0.05,
                                                                    optimize_initial_states=False))
         assert probe.prediction_rms(res.params) < probe.prediction_rms(prior)
+        # the string stiffnesses move towards the truth (masses and dampings need more data than 5 windows)
+        def k_err(v):
+            return np.median([abs(float(v[n]) / true[n] - 1) for n in true if n.endswith(".stiffness")])
+        print(f"stiffness median error: prior {k_err(prior.named()):.3%}, identified {k_err(res.values()):.3%}")
+        assert k_err(res.values()) < 0.2 * k_err(prior.named())       # measured: 16.3 % -> 1.0 %
         # gauge: total moving mass anchored
         assert float(res.params.mass[torch.as_tensor(np.abs(top.Cb_q).sum(1) > 0)].sum()) == pytest.approx(total)
     finally:

@@ -25,7 +25,7 @@ from ..model import Structure
 from .data import Dataset, screen_dataset
 from .errors import DataError, DivergenceError, IdentificationError, NotEnoughDataError
 from .refine import RefineOptions, RefineProblem, RefineResult, refine
-from .regression import RegressionOptions, RegressionResult, regress
+from .regression import SCALE_KINDS, RegressionOptions, RegressionResult, regress
 
 __all__ = ["IdentifyOptions", "IdentificationResult", "identify", "STAGES"]
 
@@ -45,13 +45,15 @@ class IdentifyOptions:
     known / ties / total_mass: exactly known values, shared values, the scale anchor (see the stages).
     estimate_delay / delay_s: motor-to-mocap delay (estimated in stage 2; stage 1 uses ``delay_s``).
     noise_std_m: marker noise (None: estimated from the residuals).
-    prior_std: stage 2's Gaussian prior around its starting values, per kind (see :class:`RefineOptions`).
+    prior_std / prior_center: stage 2's Gaussian prior, per kind, around ``prior_center`` (default: its
+        starting values; see :class:`RefineOptions`).
     derivative_method / smooth_window_s: derivative estimates (see :func:`~tensegrity_ros.ident.data.derivatives`).
     window_s / max_windows / sim_dt / optimize_initial_states / max_iter / optimizer / max_time_s:
         the main stage-2 knobs; ``refine`` and ``regression``: any other field of
         :class:`RefineOptions` / :class:`RegressionOptions`.
     stage2_start: ``auto`` (stage 2 starts from the stage-1 result or the prior, whichever predicts the
-        data better), ``stage1`` or ``prior``.
+        data better, and from the prior whenever stage 1 moved a mass, stiffness or damping by more than
+        ``stage1_max_factor``), ``stage1`` or ``prior``.
     residual: after a stage-1-only run, evaluate ``residual_rms_m`` (one multiple-shooting forward pass).
     covariance: compute the Gauss-Newton covariance after stage 2 (``covariance_windows`` windows).
     screen: reject non-finite, bar-length-violating (``bar_tol``) and spiking samples first;
@@ -73,6 +75,7 @@ class IdentifyOptions:
     delay_s: float = 0.0
     noise_std_m: Optional[float] = None
     prior_std: Mapping[str, float] = field(default_factory=dict)
+    prior_center: Optional[Params] = None
     derivative_method: str = "auto"
     smooth_window_s: Optional[float] = None
     window_s: float = 0.25
@@ -85,6 +88,7 @@ class IdentifyOptions:
     regression: Mapping[str, Any] = field(default_factory=dict)
     refine: Mapping[str, Any] = field(default_factory=dict)
     stage2_start: str = "auto"
+    stage1_max_factor: float = 3.0
     residual: bool = True
     covariance: bool = True
     covariance_windows: int = 16
@@ -212,6 +216,21 @@ def _positive(params: Params, prior: Params, notes: List[str]) -> Params:
     return params.replace(**repl) if repl else params
 
 
+def _far_from(params: Params, prior: Params, factor: float):
+    """(name, ratio) of the first scale parameter outside prior / factor .. prior x factor, else None.
+
+    Why: with marker noise on stiff strings stage 1's errors in variables can be 50x (measured on the
+    manipulator at 0.3 mm noise). Such a start can still out-predict a 20 %-off prior over short windows (it
+    lets the structure sag instead of ring) and stage 2 then refines a wrong basin, so it is not used."""
+    for (name, v), p0 in zip(params.named().items(), prior.named().values()):
+        if name.rpartition(".")[2] not in SCALE_KINDS or not float(p0) > 0:
+            continue
+        r = float(v) / float(p0)
+        if not (1.0 / factor <= r <= factor):
+            return name, r
+    return None
+
+
 def _finite(params: Params) -> bool:
     return all(bool(torch.all(torch.isfinite(t))) for t in (params.stiffness, params.damping, params.rest_length,
                                                              params.mass, params.spool_radius, params.zero_offset))
@@ -316,9 +335,11 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                         engine_options=dict(opts.refine.get("engine_options", {}))),
                         backend=opts.backend, integrator=opts.integrator)
                     e_reg, e_prior = probe.prediction_rms(start), probe.prediction_rms(prior)
-                    if opts.stage2_start == "prior" or e_prior < e_reg:
-                        notes.append(f"stage 2 starts from the prior (prediction RMS {e_prior * 1e3:.3g} mm) rather "
-                                     f"than stage 1 ({e_reg * 1e3:.3g} mm)")
+                    far = _far_from(start, prior, opts.stage1_max_factor)
+                    if opts.stage2_start == "prior" or e_prior < e_reg or far:
+                        why = (f"stage 1 puts {far[0]} at {far[1]:.3g}x the prior (> {opts.stage1_max_factor:g}x)"
+                               if far else f"stage 1 predicts worse ({e_reg * 1e3:.3g} mm)")
+                        notes.append(f"stage 2 starts from the prior (prediction RMS {e_prior * 1e3:.3g} mm): {why}")
                         start = prior
                 kinds = tuple(opts.refine_kinds) if opts.refine_kinds is not None else tuple(opts.estimate)
                 fopts = RefineOptions(**{**dict(
@@ -328,7 +349,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     optimize_initial_states=opts.optimize_initial_states, max_iter=opts.max_iter,
                     optimizer=opts.optimizer, max_time_s=opts.max_time_s,
                     noise_std_m=opts.noise_std_m if opts.noise_std_m is not None else 1e-3,
-                    prior_std=dict(opts.prior_std),
+                    prior_std=dict(opts.prior_std), prior_center=opts.prior_center,
                     derivative_method=opts.derivative_method, smooth_window_s=opts.smooth_window_s,
                     device=device), **dict(opts.refine)})
                 ref = refine(structure, datasets, start, fopts, backend=opts.backend, integrator=opts.integrator,

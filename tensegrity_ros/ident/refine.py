@@ -52,6 +52,12 @@ LOG_UNIT = 0.1
 REST_UNIT_M = 0.01
 X0_UNIT_M = 1e-3
 V0_UNIT_MPS = 1e-2
+#: relative singular-value cut of a window's initial-state Jacobian. Measured window starts are projected onto
+#: the bar lengths, and the stiff bar-end modes (~65 Hz on the manipulator) are barely seen at 120 Hz, so that
+#: block has directions 1e-8 and below the largest. A plain inverse turns them into metre-sized "steps" that
+#: the rollout cannot follow (NaN), and Levenberg-Marquardt then crawled (~1 % loss decrease per iteration).
+#: Truncated, one Gauss-Newton step fits a window's start to the noise level.
+X0_RCOND = 1e-4
 
 
 @dataclass(frozen=True)
@@ -68,18 +74,23 @@ class RefineOptions:
     estimate_delay / delay_s: the motor-to-mocap delay (motor angles used at t - delay), s, and its start.
     window_s / stride_s / max_windows: multiple-shooting windows (length, spacing, cap; evenly spread).
     sim_dt: engine step, s (default: the median sampling period divided into steps no longer than
-        max_sim_dt and 1.5 / w_max, w_max an upper bound of the model's highest natural frequency, see
-        :func:`max_frequency`: semi-implicit Euler needs h < 2 / w_max); the predictions are interpolated
+        max_sim_dt and 75 % of semi-implicit Euler's stability limit with the strings' damping, see
+        :func:`stable_step`); the predictions are interpolated
         linearly between steps at the (possibly irregular) sample times.
     optimize_initial_states: per-window initial position/velocity offsets are optimised too.
     continuity_weight: weight of the window-to-window continuity penalty (needs contiguous windows).
     prior_std: Gaussian prior around the starting values, per kind: relative for log-parametrised kinds
         (``{"stiffness": 0.2}`` = 20 %), metres for ``rest_length``, rad for ``zero_offset`` (MAP estimate;
         parameters the data do not determine then stay near the nominal model and their covariance says so).
+    prior_center: the prior's mean (default: the start). Online, where each update starts from the last
+        accepted set, centring the prior on the NOMINAL model keeps weakly seen parameters (damping in short
+        windows) from random-walking away update after update.
     noise_std_m: the position noise that normalises the loss (and the covariance when not estimated).
     optimizer: ``lbfgs`` | ``adam`` | ``gauss_newton`` (Levenberg-Marquardt on the multiple-shooting
-        residuals, window starts eliminated by a Schur complement; ``jacobian`` = ``central`` or
-        ``forward_ad``); max_iter: iterations; lr: step (1 for L-BFGS, 0.05 for Adam by default);
+        residuals, window starts eliminated by a Schur complement; ``jacobian`` = ``central``, ``forward``
+        or ``forward_ad``; ``lm_lambda`` its initial damping, ``lm_max_step`` its trust region: the largest
+        change of one parameter per iteration in scaled units, 0.1 in log for scale kinds, 1 cm for rest
+        lengths); max_iter: iterations; lr: step (1 for L-BFGS, 0.05 for Adam by default);
         tolerance_grad / tolerance_change: L-BFGS stops; history_size: L-BFGS memory;
         stall_evaluations / stall_tolerance / stall_chi2: stop (converged) after this many evaluations
         without an improvement of the best loss by more than stall_tolerance (relative) and more than a
@@ -106,6 +117,7 @@ class RefineOptions:
     optimize_initial_states: bool = True
     continuity_weight: float = 0.0
     prior_std: Mapping[str, float] = field(default_factory=dict)
+    prior_center: Optional[Params] = None
     noise_std_m: float = 1e-3
     optimizer: str = "gauss_newton"
     max_iter: int = 50
@@ -120,6 +132,7 @@ class RefineOptions:
     max_time_s: Optional[float] = None
     jacobian: str = "central"
     lm_lambda: float = 1e-3
+    lm_max_step: float = 2.0
     derivative_method: str = "auto"
     smooth_window_s: Optional[float] = None
     device: Optional[str] = None
@@ -163,30 +176,68 @@ class RefineResult:
 # =====================================================================================================
 # problem setup
 # =====================================================================================================
-def max_frequency(top, params: Params, positions: Optional[np.ndarray] = None) -> float:
-    """Upper bound of the highest natural frequency (rad/s) of the nodal model: sqrt of the largest
-    generalised eigenvalue of the strings' axial stiffness K = sum_c k_c g_c g_c^T (g_c = dL_c/dQ) against
-    the reduced mass matrix, bar constraints ignored (constraints can only lower it)."""
-    import scipy.linalg
+def _axial_matrices(top, params: Params, positions: Optional[np.ndarray] = None):
+    """Strings' axial stiffness K = sum_c k_c g_c g_c^T and damping C = sum_c zeta_c g_c g_c^T (g_c = dL_c/dQ)
+    and the reduced mass matrix M at ``positions`` (default: the structure's), restricted to the motions
+    that keep the bar lengths (Z^T K Z etc., Z a basis of the bar-length Jacobian's null space): along a bar
+    a light bar end would otherwise show a damping rate ~10x above any the constrained model has."""
+    from .regression import _nullspace_bases
     X = top.X0 if positions is None else positions
     k = params.stiffness.detach().cpu().double().numpy().reshape(-1)
+    z = params.damping.detach().cpu().double().numpy().reshape(-1)
     m = params.mass.detach().cpu().double().numpy().reshape(-1)
     nf = top.n_free
     s = X[top.seg_nodes[:, 1]] - X[top.seg_nodes[:, 0]]
     e = s / np.linalg.norm(s, axis=1, keepdims=True)
     Csq = top.Cs_q                                              # (n_seg, nf)
     K = np.zeros((3 * nf, 3 * nf))
+    C = np.zeros((3 * nf, 3 * nf))
     for c in range(top.n_strings):
         segs = np.flatnonzero(top.G[:, c])
         g = np.einsum("sf,sk->fk", Csq[segs], e[segs]).reshape(-1)
-        K += k[c] * np.outer(g, g)
+        gg = np.outer(g, g)
+        K += k[c] * gg
+        C += z[c] * gg
     Mq = np.einsum("b,bfg->fg", m, top.E_q)
     M = np.kron(Mq, np.eye(3))
+    Z = _nullspace_bases(top, X[np.asarray(top.free_nodes)][None])[0]
+    return Z.T @ K @ Z, Z.T @ C @ Z, Z.T @ M @ Z
+
+
+def _largest_generalized_eig(A: np.ndarray, M: np.ndarray) -> float:
+    import scipy.linalg
     try:
-        ev = scipy.linalg.eigh(K, M, eigvals_only=True)
-        return float(math.sqrt(max(ev.max(), 0.0)))
+        return float(max(scipy.linalg.eigh(A, M, eigvals_only=True).max(), 0.0))
     except Exception:  # singular mass matrix (massless node): no bound
         return float("inf")
+
+
+def max_frequency(top, params: Params, positions: Optional[np.ndarray] = None) -> float:
+    """Upper bound of the highest natural frequency (rad/s) of the nodal model: sqrt of the largest
+    generalised eigenvalue of the strings' axial stiffness K = sum_c k_c g_c g_c^T (g_c = dL_c/dQ) against
+    the reduced mass matrix, bar constraints ignored (constraints can only lower it)."""
+    K, _, M = _axial_matrices(top, params, positions)
+    return math.sqrt(_largest_generalized_eig(K, M))
+
+
+def stable_step(top, params: Params, positions: Optional[np.ndarray] = None, safety: float = 0.75) -> float:
+    """Largest semi-implicit Euler step (s) for the nodal model, times ``safety``.
+
+    A mode x'' + g x' + w^2 x = 0 stays bounded under semi-implicit Euler iff h g < 2 and
+    h^2 w^2 + 2 h g < 4, i.e. h < (sqrt(g^2 + 4 w^2) - g) / w^2. The bound uses the largest w (see
+    :func:`max_frequency`) and the largest damping rate g (largest generalised eigenvalue of the strings'
+    damping against the mass), which holds for every mode. Damping matters: the light bar ends on stiff,
+    damped strings are nearly critically damped, and the undamped bound 2 / w then overshoots by ~2x (the
+    manipulator's window rollouts diverged at 1.14 ms while 2 / w allowed 1.5 ms).
+    """
+    K, C, M = _axial_matrices(top, params, positions)
+    w2 = _largest_generalized_eig(K, M)
+    g = _largest_generalized_eig(C, M)
+    if not (math.isfinite(w2) and math.isfinite(g)):
+        return 0.0
+    if w2 <= 0.0:
+        return safety * 2.0 / g if g > 0 else float("inf")
+    return safety * (math.sqrt(g * g + 4.0 * w2) - g) / w2
 
 
 def _groups(names: List[str], free_names: List[str], ties) -> List[List[int]]:
@@ -281,6 +332,11 @@ class RefineProblem:
             else:
                 prec[k] = 1.0 / sd ** 2
         self.prior_prec = torch.as_tensor(prec, dtype=opts.dtype, device=dev)
+        # prior mean offset in z: dz = K B w + prior_offset (0 when the prior is centred on the start)
+        self.prior_offset = torch.zeros_like(self.z_start)
+        if opts.prior_center is not None:
+            c = opts.prior_center.map(lambda t: t.detach().to(dtype=opts.dtype, device=dev))
+            self.prior_offset = (self.z_start - to_unconstrained(c)).detach()
         # scale gauge
         scale_dir = torch.tensor([1.0 if k in SCALE_KINDS else 0.0 for k in kinds], dtype=opts.dtype, device=dev)
         for b, mv in enumerate(movable):  # immovable masses do not carry the scale
@@ -317,9 +373,9 @@ class RefineProblem:
         if opts.sim_dt is not None:
             self.sim_dt = float(opts.sim_dt)
         else:
-            # semi-implicit Euler is stable for h < 2 / w_max: keep h <= 1.5 / w_max (and <= max_sim_dt)
-            w_max = max_frequency(top, self.template)
-            h_max = min(opts.max_sim_dt, 1.5 / w_max if w_max > 0 else opts.max_sim_dt)
+            # semi-implicit Euler's stability limit (with the strings' damping), 75 %, and <= max_sim_dt
+            h_stab = stable_step(top, self.template)
+            h_max = min(opts.max_sim_dt, h_stab if h_stab > 0 else opts.max_sim_dt)
             self.sim_dt = dt_obs / max(1, int(math.ceil(dt_obs / h_max - 1e-9)))
         H = max(1, int(round(opts.window_s / dt_obs)))
         stride = H if opts.stride_s is None else max(1, int(round(opts.stride_s / dt_obs)))
@@ -639,7 +695,7 @@ class RefineProblem:
             gap = Xend[a] - X0n
             L = L + opts.continuity_weight * (gap * gap).sum() / (len(self.contiguous) * opts.noise_std_m ** 2)
         if bool((self.prior_prec > 0).any()):
-            dz = self.z_of(w) - self.z_start
+            dz = self.z_of(w) - self.z_start + self.prior_offset
             L = L + (self.prior_prec * dz * dz).sum() / max(self.n_obs, 1)
         return L
 
@@ -807,6 +863,14 @@ def refine(structure: Structure, data: Union[Dataset, Sequence[Dataset]], start:
                         w=w_best, x0=x0_best, notes=notes)
 
 
+def _truncated_inverse(A: torch.Tensor, rtol: float) -> torch.Tensor:
+    """Pseudo-inverse of symmetric PSD blocks (..., n, n), eigenvalues below ``rtol`` x the largest dropped."""
+    ev, V = torch.linalg.eigh(0.5 * (A + A.mT))
+    keep = ev > rtol * ev[..., -1:].clamp_min(1e-300)
+    inv = torch.where(keep, 1.0 / torch.where(keep, ev, torch.ones_like(ev)), torch.zeros_like(ev))
+    return (V * inv.unsqueeze(-2)) @ V.mT
+
+
 def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torch.Tensor], opts: RefineOptions,
                          counters: Dict[str, int], update_best: Callable[[float], None],
                          record: Callable[[float], None], notes: List[str]) -> bool:
@@ -829,7 +893,7 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
             r = prob.residuals(wv, xv)
             f = float((r * r).sum())
             if has_prior:
-                dz = KB @ wv[:nb]
+                dz = KB @ wv[:nb] + prob.prior_offset
                 f += sig2 * float((prob.prior_prec * dz * dz).sum())
         return f
 
@@ -851,7 +915,7 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
         if has_prior:
             Hp = sig2 * (KB.T @ (prob.prior_prec[:, None] * KB))
             Hww[:nb, :nb] += Hp
-            gw[:nb] += Hp @ w.detach()[:nb]
+            gw[:nb] += Hp @ w.detach()[:nb] + sig2 * (KB.T @ (prob.prior_prec * prob.prior_offset))
         if Je is not None:
             Hwe = torch.einsum("bri,brj->bij", Jw, Je)
             Hee = torch.einsum("bri,brj->bij", Je, Je)
@@ -865,7 +929,7 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
                 dE = torch.diagonal(Hee, dim1=-2, dim2=-1)
                 dE = dE.clamp_min(1e-12 * float(dE.max()) + 1e-300)
                 Aee = Hee + lam * torch.diag_embed(dE)
-                Ainv = torch.linalg.inv(Aee)
+                Ainv = _truncated_inverse(Aee, X0_RCOND ** 2)
                 A = A - torch.einsum("bij,bjk,blk->il", Hwe, Ainv, Hwe)
                 rhs = rhs - torch.einsum("bij,bjk,bk->i", Hwe, Ainv, ge)
             try:
@@ -873,6 +937,12 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
             except RuntimeError:
                 lam *= 10.0
                 continue
+            # trust region: no parameter moves more than lm_max_step units per iteration. A Gauss-Newton step
+            # from far away (20 % off on the manipulator) asked for 16x stiffness changes; the LM accepted
+            # them (the loss fell) into a region where the rollout is barely stable and then crawled.
+            big = float(dw[:nb].abs().max()) if nb else 0.0
+            if big > opts.lm_max_step:
+                dw = dw * (opts.lm_max_step / big)
             w_new = w.detach() + dw
             x_new = None
             if Je is not None:

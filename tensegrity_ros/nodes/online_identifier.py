@@ -347,12 +347,25 @@ PARAMS = (
               "scale is anchored on the nominal total mass",
               read_only=True, check=lambda v: None if set(v) <= {"mass", "stiffness", "damping", "rest_length"}
               and v else "subset of mass, stiffness, damping, rest_length"),
-    ParamSpec("stage2_iterations", 5, "stage-2 (L-BFGS) iterations per update; 0 = stage 1 only",
+    ParamSpec("stage1", True, "run the closed-form stage 1 first (stage 2 then starts from whichever of stage 1 "
+              "and the active set predicts the window better: stage 1 is biased by marker noise on stiff "
+              "strings)", read_only=True),
+    ParamSpec("stage1_max_samples", 300, "samples of the window used by stage 1 (random subset; bounds its time)",
+              range=(10, 1000000)),
+    ParamSpec("stage2_iterations", 3, "stage-2 (Levenberg-Marquardt) iterations per update; 0 = stage 1 only",
               range=(0, 1000)),
-    ParamSpec("stage2_window_s", 0.25, "stage-2 multiple-shooting window [s]", range=(0.01, 10.0)),
-    ParamSpec("stage2_max_windows", 4, "stage-2 windows per update (spread over the sliding window)",
+    ParamSpec("stage2_window_s", 0.1, "stage-2 multiple-shooting window [s] (short windows keep the problem "
+              "nearly linear from a 20 %-off start)", range=(0.01, 10.0)),
+    ParamSpec("stage2_max_windows", 8, "stage-2 windows per update (spread over the sliding window)",
               range=(1, 1000)),
-    ParamSpec("max_update_s", 6.0, "wall-time budget of stage 2 per update [s]", range=(0.1, 3600.0)),
+    ParamSpec("stage2_jacobian", "forward", "stage-2 Jacobian: forward | central (finite differences in one "
+              "batched rollout) | forward_ad (dual numbers)", choices=("forward", "central", "forward_ad")),
+    ParamSpec("prior_std", [0.3, 0.2, 0.2, 0.003], "stage-2 Gaussian prior around the NOMINAL model (each update "
+              "starts from the active set), per kind: stiffness, damping, mass (relative), rest length [m]; "
+              "0 = none. Damping is weakly seen in short windows: the prior keeps it near the nominal value "
+              "instead of letting it random-walk from update to update",
+              check=lambda v: None if len(v) == 4 and all(x >= 0 for x in v) else "4 values >= 0"),
+    ParamSpec("max_update_s", 20.0, "wall-time budget of stage 2 per update [s]", range=(0.1, 3600.0)),
     ParamSpec("max_duty", 0.5, "largest share of the time the worker computes (after an update of T s it rests "
               "T (1/duty - 1) s)", range=(0.01, 1.0)),
     ParamSpec("delay_s", 0.0, "motor-to-mocap delay [s]", range=(0.0, 1.0)),
@@ -482,11 +495,14 @@ class OnlineIdentifierNode(C.GraphNode):
         from ..ident import pipeline
 
         p = self.p
+        prior_std = {k: float(v) for k, v in zip(("stiffness", "damping", "mass", "rest_length"), p["prior_std"])
+                     if v > 0}
         return pipeline.IdentifyOptions(
             estimate=tuple(p["estimate"]), window_s=p["stage2_window_s"], max_windows=p["stage2_max_windows"],
             max_iter=max(1, p["stage2_iterations"]), max_time_s=p["max_update_s"], delay_s=p["delay_s"],
             noise_std_m=p["noise_std_m"] or None, device=p["device"], num_threads=p["torch_threads"],
-            covariance_windows=p["stage2_max_windows"])
+            covariance_windows=p["stage2_max_windows"], prior_std=prior_std, prior_center=self.nominal_params,
+            refine={"jacobian": p["stage2_jacobian"]}, regression={"max_samples": int(p["stage1_max_samples"])})
 
     def run_update(self, times, positions, valid, motors, timeout: Optional[float] = None):
         """One identification over the given window, in the worker; returns (candidate, params or None)."""
@@ -494,7 +510,8 @@ class OnlineIdentifierNode(C.GraphNode):
         return self._collect(fut.result(timeout=timeout))
 
     def _submit(self, times, positions, valid, motors) -> Future:
-        stages = ("regression", "refine") if self.p["stage2_iterations"] > 0 else ("regression",)
+        stages = (("regression",) if self.p["stage1"] or self.p["stage2_iterations"] == 0 else ()) + \
+            (("refine",) if self.p["stage2_iterations"] > 0 else ())
         with self._lock:
             prior = {n: float(v) for n, v in self.active.params.named().items()}
         return self._pool.submit(fit_window, self.structure, times, positions, valid, motors, prior, stages,

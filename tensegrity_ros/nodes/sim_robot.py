@@ -62,6 +62,10 @@ PARAMS = (
               read_only=True),
     ParamSpec("motor_max_speed_rad_s", 3.0, "emulated motor speed limit [rad/s]", range=(0.01, 100.0), read_only=True),
     ParamSpec("timestep", 0.001, "MuJoCo timestep [s]", range=(1e-5, 0.01), read_only=True),
+    ParamSpec("integrator", "RK4", "MuJoCo integrator: RK4 (converged at 1 ms: the identifier's engine then "
+              "models the robot to ~0.1 mm) | implicitfast (unconditionally stable with heavy damping, but "
+              "its implicit damping step is mm-level off the physics at 1 ms)",
+              choices=("RK4", "implicitfast"), read_only=True),
     ParamSpec("mocap_rate_hz", 120.0, "marker frame rate [Hz]", range=(1.0, 2000.0), read_only=True),
     ParamSpec("realtime_factor", 1.0, "sim time per wall time", range=(0.01, 100.0), read_only=True),
     ParamSpec("settle_s", 2.0, "sim seconds run (unpaced, motors held) before streaming", range=(0.0, 600.0),
@@ -101,7 +105,7 @@ class SimRobotNode(C.GraphNode):
         self.frame = MocapFrame(tr[0], tr[1])
         self.marker_idx = marker_node_indices(s)
         self.rng = np.random.default_rng(p["seed"])
-        self.sim = TwinSim(s, timestep=p["timestep"])
+        self.sim = TwinSim(s, timestep=p["timestep"], integrator=p["integrator"])
         self.actuators = tuple(s.actuators)
         self.motor_ids = [int(a.motor_id) for a in self.actuators]
         self.emulator = None
