@@ -386,7 +386,7 @@ def manipulator(quick: bool, seed: int = 0) -> Dict[str, Any]:
     # the nominal model's declared uncertainty is the prior (MAP): ~20 % on k, c, m, 3 mm on rest lengths
     prior_std = {"stiffness": 0.2, "damping": 0.2, "mass": 0.2, "rest_length": 0.003}
     opts = IdentifyOptions(estimate=kinds, refine_kinds=kinds, total_mass=total, window_s=0.1,
-                           max_windows=12 if quick else 24, max_iter=4 if quick else 10, smooth_window_s=0.05,
+                           max_windows=12 if quick else 24, max_iter=8 if quick else 12, smooth_window_s=0.05,
                            covariance_windows=4 if quick else 12, refine={"jacobian": "forward"},
                            prior_std=prior_std, noise_std_m=1e-3)
     t1 = time.perf_counter()

@@ -49,7 +49,7 @@ def test_simulate_writes_trajectories_plots_and_a_readable_bag(recorded):
 def test_identify_writes_a_valid_structure_file_and_a_report(recorded, tmp_path):
     out, report = tmp_path / "params.yaml", tmp_path / "report"
     rc = main(["identify", str(recorded / "bag"), "--model", str(MANIPULATOR), "--out", str(out),
-               "--report", str(report), "--max-iter", "3", "--window", "0.2"])
+               "--report", str(report), "--max-iter", "3", "--window", "0.1", "--windows", "6"])
     assert rc == 0
     identified = load_structure(out)                                 # a valid structure file
     assert main(["validate", str(out)]) == 0
@@ -133,3 +133,11 @@ def test_bad_model_file_exits_2(tmp_path, capsys):
     bad.write_text("name: x\nnodes: [{name: a, position: [0, 0, 0]}]\nbars: []\nstrings: []\n")
     assert main(["validate", str(bad)]) == 2
     assert "nodes[0]" in capsys.readouterr().err
+
+
+def test_bad_prior_std_flag_fails_before_reading_the_bag(tmp_path, capsys):
+    out = tmp_path / "params.yaml"
+    rc = main(["identify", str(tmp_path / "no_such_bag"), "--model", str(MANIPULATOR), "--out", str(out),
+               "--prior-std", "stifness=0.2"])
+    assert rc == 2 and not out.exists()
+    assert "--prior-std" in capsys.readouterr().err

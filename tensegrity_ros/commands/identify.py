@@ -37,9 +37,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--refine-kinds", default="mass,stiffness,damping,rest_length",
                         help="parameter kinds freed in stage 2")
     parser.add_argument("--estimate-delay", action="store_true", help="estimate the motor-to-mocap delay")
-    parser.add_argument("--max-iter", type=int, default=40, help="stage-2 iterations")
+    parser.add_argument("--max-iter", type=int, default=12, help="stage-2 (Levenberg-Marquardt) iterations")
     parser.add_argument("--max-time", type=float, default=None, help="stage-2 wall-time budget [s]")
-    parser.add_argument("--window", type=float, default=0.25, help="multiple-shooting window [s]")
+    parser.add_argument("--window", type=float, default=0.1, help="multiple-shooting window [s] (short windows "
+                        "keep stage 2 nearly linear from a 20 %%-off model)")
+    parser.add_argument("--windows", type=int, default=16,
+                        help="multiple-shooting windows, spread over the recording (cost grows linearly)")
+    parser.add_argument("--noise-mm", type=float, default=1.0, help="marker noise of the recording, std [mm]")
+    parser.add_argument("--prior-std", default="stiffness=0.2,damping=0.2,mass=0.2,rest_length=0.003",
+                        help="the model file's uncertainty: Gaussian prior of stage 2 around it, per kind "
+                             "(relative; rest_length in m); 'none' = no prior")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
 
 
@@ -56,6 +63,7 @@ def run(args) -> int:
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: folder {out.parent} does not exist")
     stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
+    prior_std = _prior_std(args.prior_std)          # flags first: a typo fails before minutes of work
     topics = TopicNames(motor_states=args.motor_topic, markers=args.markers_topic,
                         motor_commands=args.commands_topic)
     try:
@@ -84,7 +92,8 @@ def run(args) -> int:
     dataset = _dataset(structure, series, rec)
     options = IdentifyOptions(estimate=_kinds(args.estimate), refine_kinds=_kinds(args.refine_kinds),
                               estimate_delay=args.estimate_delay, max_iter=args.max_iter, max_time_s=args.max_time,
-                              window_s=args.window, device=args.device)
+                              window_s=args.window, max_windows=args.windows, noise_std_m=args.noise_mm * 1e-3,
+                              prior_std=prior_std, device=args.device)
     with progress_bar(args.max_iter if "refine" in stages else 1, "identifying") as bar:
         result = identify(structure, dataset, stages=stages, options=options,
                           callback=lambda info: bar.update(1) if info.get("stage") != "regression" else None)
@@ -126,6 +135,24 @@ class _tick:
     def __getitem__(self, k):
         self.bar.update(1)
         return self.items[k]
+
+
+def _prior_std(text: str):
+    """``kind=value,...`` -> {kind: value}; ``none`` -> {}."""
+    if text.strip().lower() in ("", "none"):
+        return {}
+    out = {}
+    for part in text.split(","):
+        kind, _, val = part.partition("=")
+        try:
+            out[kind.strip()] = float(val)
+        except ValueError:
+            raise UserError(f"--prior-std: {part!r} is not kind=value (e.g. stiffness=0.2)") from None
+        if kind.strip() not in ("stiffness", "damping", "mass", "rest_length", "spool_radius", "zero_offset") or \
+                not out[kind.strip()] > 0:
+            raise UserError(f"--prior-std: {part!r}: kind must be stiffness, damping, mass, rest_length, "
+                            "spool_radius or zero_offset and the value > 0")
+    return out
 
 
 def _kinds(text: str):

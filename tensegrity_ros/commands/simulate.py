@@ -26,6 +26,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", required=True, help="output folder (trajectories, plots)")
     parser.add_argument("--reference", default=str(DEFAULT_REFERENCE), help="reference sinusoids (YAML)")
     parser.add_argument("--dt", type=float, default=1e-3, help="twin time step [s]")
+    parser.add_argument("--integrator", choices=("RK4", "implicitfast"), default="RK4",
+                        help="MuJoCo integrator (default RK4: converged at 1 ms; implicitfast is stable with "
+                             "heavier damping but mm-level off the physics, see docs/twin.md)")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds to settle before recording")
     parser.add_argument("--perturb", type=float, default=0.0,
                         help="simulate a 'true' robot whose K, c, m differ by this relative spread (e.g. 0.2); "
@@ -65,6 +68,7 @@ def run(args) -> int:
     angle_fn = (lambda t: motor_angles(ref, structure.actuators, np.atleast_1d(t))[0]) if ref else None
 
     traj = simulate(structure, angle_fn, args.duration, record_hz=RECORD_HZ, timestep=args.dt,
+                    integrator=args.integrator,
                     settle=args.settle, progress=True)
     _write_trajectories(out, structure, traj)
     summary = _summarise(structure, traj)

@@ -501,7 +501,9 @@ class OnlineIdentifierNode(C.GraphNode):
             estimate=tuple(p["estimate"]), window_s=p["stage2_window_s"], max_windows=p["stage2_max_windows"],
             max_iter=max(1, p["stage2_iterations"]), max_time_s=p["max_update_s"], delay_s=p["delay_s"],
             noise_std_m=p["noise_std_m"] or None, device=p["device"], num_threads=p["torch_threads"],
-            covariance_windows=p["stage2_max_windows"], prior_std=prior_std, prior_center=self.nominal_params,
+            # the covariance costs one more Jacobian: half the windows (information scaled up) keeps updates short
+            covariance_windows=max(1, p["stage2_max_windows"] // 2), prior_std=prior_std,
+            prior_center=self.nominal_params,
             refine={"jacobian": p["stage2_jacobian"]}, regression={"max_samples": int(p["stage1_max_samples"])})
 
     def run_update(self, times, positions, valid, motors, timeout: Optional[float] = None):
