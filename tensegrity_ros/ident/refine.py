@@ -7,7 +7,8 @@ with the measured ones where valid:
 
     loss = 1/n_obs sum_windows sum_samples sum_valid nodes |x_pred - x_meas|^2 / sigma^2
            [+ continuity_weight * |end state of window k - start state of window k+1|^2 / sigma^2]
-           [+ 1/n_obs sum_k ((z_k - z_start,k) / s_k)^2]     (Gaussian prior, ``prior_std``)
+           [+ 1/n_obs sum_k ((z_k - z_prior,k) / s_k)^2]     (Gaussian prior, ``prior_std``, centred on
+                                                               ``prior_center``, default the start)
 
 Optimised quantities (all unconstrained): the engine's unconstrained parameter vector (``to_unconstrained``:
 log stiffness, log damping, logit rest lengths, log masses, log spool radii, zero offsets, log control gain)
@@ -53,7 +54,7 @@ REST_UNIT_M = 0.01
 X0_UNIT_M = 1e-3
 V0_UNIT_MPS = 1e-2
 #: relative singular-value cut of a window's initial-state Jacobian. Measured window starts are projected onto
-#: the bar lengths, and the stiff bar-end modes (~65 Hz on the manipulator) are barely seen at 120 Hz, so that
+#: the bar lengths, and the stiff bar-end modes (~90 Hz on the manipulator) are barely seen at 120 Hz, so that
 #: block has directions 1e-8 and below the largest. A plain inverse turns them into metre-sized "steps" that
 #: the rollout cannot follow (NaN), and Levenberg-Marquardt then crawled (~1 % loss decrease per iteration).
 #: Truncated, one Gauss-Newton step fits a window's start to the noise level.
@@ -79,7 +80,7 @@ class RefineOptions:
         linearly between steps at the (possibly irregular) sample times.
     optimize_initial_states: per-window initial position/velocity offsets are optimised too.
     continuity_weight: weight of the window-to-window continuity penalty (needs contiguous windows).
-    prior_std: Gaussian prior around the starting values, per kind: relative for log-parametrised kinds
+    prior_std: Gaussian prior around ``prior_center``, per kind: relative for log-parametrised kinds
         (``{"stiffness": 0.2}`` = 20 %), metres for ``rest_length``, rad for ``zero_offset`` (MAP estimate;
         parameters the data do not determine then stay near the nominal model and their covariance says so).
     prior_center: the prior's mean (default: the start). Online, where each update starts from the last
@@ -213,9 +214,9 @@ def _largest_generalized_eig(A: np.ndarray, M: np.ndarray) -> float:
 
 
 def max_frequency(top, params: Params, positions: Optional[np.ndarray] = None) -> float:
-    """Upper bound of the highest natural frequency (rad/s) of the nodal model: sqrt of the largest
-    generalised eigenvalue of the strings' axial stiffness K = sum_c k_c g_c g_c^T (g_c = dL_c/dQ) against
-    the reduced mass matrix, bar constraints ignored (constraints can only lower it)."""
+    """Highest natural frequency (rad/s) of the strings' axial stiffness K = sum_c k_c g_c g_c^T
+    (g_c = dL_c/dQ) against the reduced mass matrix, over the motions that keep the bar lengths (prestress
+    and gravity, i.e. geometric stiffness, left out)."""
     K, _, M = _axial_matrices(top, params, positions)
     return math.sqrt(_largest_generalized_eig(K, M))
 
@@ -226,9 +227,11 @@ def stable_step(top, params: Params, positions: Optional[np.ndarray] = None, saf
     A mode x'' + g x' + w^2 x = 0 stays bounded under semi-implicit Euler iff h g < 2 and
     h^2 w^2 + 2 h g < 4, i.e. h < (sqrt(g^2 + 4 w^2) - g) / w^2. The bound uses the largest w (see
     :func:`max_frequency`) and the largest damping rate g (largest generalised eigenvalue of the strings'
-    damping against the mass), which holds for every mode. Damping matters: the light bar ends on stiff,
-    damped strings are nearly critically damped, and the undamped bound 2 / w then overshoots by ~2x (the
-    manipulator's window rollouts diverged at 1.14 ms while 2 / w allowed 1.5 ms).
+    damping against the mass); on the manipulator and the icosahedron it is the linearised model's exact
+    limit (test_ident_stage2_numerics). Damping matters: the light bar ends on stiff, damped strings are nearly
+    critically damped. On the manipulator the undamped 2 / w is 3.6 ms against the damped 1.2 ms; the earlier
+    default (1.5 / w with w from the unconstrained model) gave 1.14 ms, where windows started from noisy
+    states diverged.
     """
     K, C, M = _axial_matrices(top, params, positions)
     w2 = _largest_generalized_eig(K, M)

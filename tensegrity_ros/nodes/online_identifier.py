@@ -352,11 +352,11 @@ PARAMS = (
               "strings)", read_only=True),
     ParamSpec("stage1_max_samples", 300, "samples of the window used by stage 1 (random subset; bounds its time)",
               range=(10, 1000000)),
-    ParamSpec("stage2_iterations", 3, "stage-2 (Levenberg-Marquardt) iterations per update; 0 = stage 1 only",
+    ParamSpec("stage2_iterations", 2, "stage-2 (Levenberg-Marquardt) iterations per update; 0 = stage 1 only",
               range=(0, 1000)),
     ParamSpec("stage2_window_s", 0.1, "stage-2 multiple-shooting window [s] (short windows keep the problem "
               "nearly linear from a 20 %-off start)", range=(0.01, 10.0)),
-    ParamSpec("stage2_max_windows", 8, "stage-2 windows per update (spread over the sliding window)",
+    ParamSpec("stage2_max_windows", 4, "stage-2 windows per update (spread over the sliding window)",
               range=(1, 1000)),
     ParamSpec("stage2_jacobian", "forward", "stage-2 Jacobian: forward | central (finite differences in one "
               "batched rollout) | forward_ad (dual numbers)", choices=("forward", "central", "forward_ad")),
@@ -366,16 +366,17 @@ PARAMS = (
               "instead of letting it random-walk from update to update",
               check=lambda v: None if len(v) == 4 and all(x >= 0 for x in v) else "4 values >= 0"),
     ParamSpec("max_update_s", 20.0, "wall-time budget of stage 2 per update [s]", range=(0.1, 3600.0)),
-    ParamSpec("max_duty", 0.5, "largest share of the time the worker computes (after an update of T s it rests "
+    ParamSpec("max_duty", 0.8, "largest share of the time the worker computes (after an update of T s it rests "
               "T (1/duty - 1) s)", range=(0.01, 1.0)),
     ParamSpec("delay_s", 0.0, "motor-to-mocap delay [s]", range=(0.0, 1.0)),
-    ParamSpec("noise_std_m", 0.0, "marker noise for the stage-2 loss [m] (0 = estimate)", range=(0.0, 0.1)),
+    ParamSpec("noise_std_m", 3e-4, "marker noise of the mocap system [m]: weighs the data against prior_std "
+              "(0 = 1 mm)", range=(0.0, 0.1)),
     ParamSpec("device", "auto", "stage-2 device: auto (cuda when present) | cpu | cuda",
               choices=("auto", "cpu", "cuda"), read_only=True),
     ParamSpec("torch_threads", 1, "torch intra-op threads during an update", range=(1, 256), read_only=True),
     ParamSpec("worker", "process", "where updates run: process (a spawned child: never holds the callbacks' "
               "GIL) | thread", choices=C.WORKER_KINDS, read_only=True),
-    ParamSpec("worker_nice", 10, "niceness of the worker process (background work)", range=(0, 19),
+    ParamSpec("worker_nice", 5, "niceness of the worker process (background work)", range=(0, 19),
               read_only=True),
     ParamSpec("max_residual_ratio", 3.0, "reject a fit whose residual exceeds this x the recent accepted ones",
               range=(1.0, 1000.0)),

@@ -866,7 +866,7 @@ PARAMS = (
     ParamSpec("torch_threads", 1, "torch intra-op threads (process-wide)", range=(1, 256), read_only=True),
     ParamSpec("worker", "process", "where relinearisations run: process (a spawned child: never holds the "
               "callbacks' GIL) | thread", choices=C.WORKER_KINDS, read_only=True),
-    ParamSpec("worker_nice", 0, "niceness of the worker process (raise it to favour the per-message path)",
+    ParamSpec("worker_nice", 5, "niceness of the worker process (raise it to favour the per-message path)",
               range=(0, 19), read_only=True),
     ParamSpec("diagnostics_period_s", 1.0, "diagnostics period [s]", range=(0.05, 60.0), read_only=True),
 )
