@@ -440,6 +440,7 @@ class OnlineIdentifierNode(C.GraphNode):
         self.worker_pid = self._pool.submit(C.worker_pid).result()   # start it (imports) before data flows
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="online-identifier")
         self._future: Optional[Future] = None
+        self._closing = False
 
         self.pub = self.counting_publisher(IdentifiedParameters, C.TOPICS["identified_parameters"], C.LATCHED_QOS)
         self.subscribe(NodeStates, C.TOPICS["node_states"], self._on_node_states, C.STREAM_QOS, raw=True)
@@ -540,6 +541,8 @@ class OnlineIdentifierNode(C.GraphNode):
             out = self._submit(times, P, V, U).result()
             cand, params = self._collect(out)
         except Exception as e:   # the worker died or refused: keep the last good set
+            if self._closing:    # the node is shutting the worker down mid-update: nothing to decide
+                return
             cand, params = Candidate({}, ok=False, error=f"{type(e).__name__}: {e}"), None
         self._last_update_s = time.perf_counter() - t0
         self._last_update_end = time.monotonic()
@@ -680,6 +683,7 @@ class OnlineIdentifierNode(C.GraphNode):
         return f.done()
 
     def destroy_node(self):
+        self._closing = True
         self._waiter.shutdown(wait=False, cancel_futures=True)
         C.stop_worker(self._pool)
         return super().destroy_node()

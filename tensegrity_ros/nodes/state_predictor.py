@@ -1016,6 +1016,8 @@ class StatePredictorNode(C.GraphNode):
             try:
                 self._relinearize(rec, params, set_id)
             except Exception as e:   # keep predicting with the previous nominal; say why
+                if self._stop.is_set():   # the worker was shut down under a running relinearisation
+                    break
                 self.lin_failures += 1
                 self.last_error = f"relinearisation failed: {type(e).__name__}: {e}"
                 self.get_logger().error(self.last_error, throttle_duration_sec=5.0)
