@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def add_arguments(parser) -> None:
     parser.add_argument("--duration", type=float, default=120.0,
                         help="seconds of robot motion (default 120: the identifier needs ~5 updates from the "
-                             "20 %%-off nominal, ~16 s each on 2 cores shared with the simulated robot)")
+                             "20 %%-off nominal, ~12-16 s each on 2 cores shared with the simulated robot)")
     parser.add_argument("--out", default="build/demo", help="output folder (default build/demo)")
     parser.add_argument("--model", default=str(ROOT / "config" / "models" / "stacked_manipulator.yaml"),
                         help="nominal structure YAML")
