@@ -333,6 +333,26 @@ def fit_window(structure: Structure, times, positions, valid, motors, prior_valu
                 "window_rms_m": math.nan, "active_window_rms_m": math.nan, "seconds": time.perf_counter() - t0}
 
 
+def update_options(p: Mapping[str, object], nominal_params):
+    """(stages, IdentifyOptions) of one update from the node's parameters ``p`` (a plain mapping, so tests and
+    offline replays run exactly what the node runs)."""
+    from ..ident import pipeline
+
+    stages = (("regression",) if p["stage1"] or p["stage2_iterations"] == 0 else ()) + \
+        (("refine",) if p["stage2_iterations"] > 0 else ())
+    prior_std = {k: float(v) for k, v in zip(("stiffness", "damping", "mass", "rest_length"), p["prior_std"])
+                 if v > 0}
+    options = pipeline.IdentifyOptions(
+        estimate=tuple(p["estimate"]), window_s=p["stage2_window_s"], max_windows=p["stage2_max_windows"],
+        max_iter=max(1, p["stage2_iterations"]), max_time_s=p["max_update_s"], delay_s=p["delay_s"],
+        noise_std_m=p["noise_std_m"] or None, device=p["device"], num_threads=p["torch_threads"],
+        # the covariance costs one more Jacobian: half the windows (information scaled up) keeps updates short
+        covariance_windows=max(1, p["stage2_max_windows"] // 2), prior_std=prior_std,
+        prior_center=nominal_params,
+        refine={"jacobian": p["stage2_jacobian"]}, regression={"max_samples": int(p["stage1_max_samples"])})
+    return stages, options
+
+
 # =====================================================================================================
 # the node
 # =====================================================================================================
@@ -493,33 +513,17 @@ class OnlineIdentifierNode(C.GraphNode):
         except RuntimeError:   # shutting down
             pass
 
-    def identify_options(self):
-        from ..ident import pipeline
-
-        p = self.p
-        prior_std = {k: float(v) for k, v in zip(("stiffness", "damping", "mass", "rest_length"), p["prior_std"])
-                     if v > 0}
-        return pipeline.IdentifyOptions(
-            estimate=tuple(p["estimate"]), window_s=p["stage2_window_s"], max_windows=p["stage2_max_windows"],
-            max_iter=max(1, p["stage2_iterations"]), max_time_s=p["max_update_s"], delay_s=p["delay_s"],
-            noise_std_m=p["noise_std_m"] or None, device=p["device"], num_threads=p["torch_threads"],
-            # the covariance costs one more Jacobian: half the windows (information scaled up) keeps updates short
-            covariance_windows=max(1, p["stage2_max_windows"] // 2), prior_std=prior_std,
-            prior_center=self.nominal_params,
-            refine={"jacobian": p["stage2_jacobian"]}, regression={"max_samples": int(p["stage1_max_samples"])})
-
     def run_update(self, times, positions, valid, motors, timeout: Optional[float] = None):
         """One identification over the given window, in the worker; returns (candidate, params or None)."""
         fut = self._submit(times, positions, valid, motors)
         return self._collect(fut.result(timeout=timeout))
 
     def _submit(self, times, positions, valid, motors) -> Future:
-        stages = (("regression",) if self.p["stage1"] or self.p["stage2_iterations"] == 0 else ()) + \
-            (("refine",) if self.p["stage2_iterations"] > 0 else ())
+        stages, options = update_options(self.p, self.nominal_params)
         with self._lock:
             prior = {n: float(v) for n, v in self.active.params.named().items()}
         return self._pool.submit(fit_window, self.structure, times, positions, valid, motors, prior, stages,
-                                 self.identify_options())
+                                 options)
 
     def _collect(self, out: Mapping[str, object]):
         cand = Candidate(values=out["values"], std_devs=out["std_devs"], identifiability=out["identifiability"],
