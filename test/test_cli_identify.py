@@ -46,11 +46,13 @@ def test_simulate_writes_trajectories_plots_and_a_readable_bag(recorded):
     assert abs(pts[:, 1].min()) < 0.02 and pts[:, 1].max() > 1.2
 
 
-def test_identify_writes_a_valid_structure_file_and_a_report(recorded, tmp_path):
+def test_identify_writes_a_valid_structure_file_and_a_report(recorded, tmp_path, capsys):
     out, report = tmp_path / "params.yaml", tmp_path / "report"
     rc = main(["identify", str(recorded / "bag"), "--model", str(MANIPULATOR), "--out", str(out),
                "--report", str(report), "--max-iter", "3", "--window", "0.1", "--windows", "6"])
     assert rc == 0
+    # the progress bar must not stop stage 2 (tqdm's update() returns True when it redraws)
+    assert "stopped by the callback" not in capsys.readouterr().out
     identified = load_structure(out)                                 # a valid structure file
     assert main(["validate", str(out)]) == 0
     names = {k for k, _ in identified.std_devs}

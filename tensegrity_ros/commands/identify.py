@@ -95,8 +95,13 @@ def run(args) -> int:
                               window_s=args.window, max_windows=args.windows, noise_std_m=args.noise_mm * 1e-3,
                               prior_std=prior_std, device=args.device)
     with progress_bar(args.max_iter if "refine" in stages else 1, "identifying") as bar:
-        result = identify(structure, dataset, stages=stages, options=options,
-                          callback=lambda info: bar.update(1) if info.get("stage") != "regression" else None)
+        def tick(info) -> None:
+            # returns None on purpose: a callback returning True stops stage 2, and tqdm's update() returns
+            # True whenever it redraws (which stopped runs after ~2 iterations)
+            if info.get("stage") != "regression":
+                bar.update(1)
+
+        result = identify(structure, dataset, stages=stages, options=options, callback=tick)
     if not result.ok:
         raise UserError(f"{args.bag}: identification failed: {result.error}")
     print(result.summary())
