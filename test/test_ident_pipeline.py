@@ -7,11 +7,8 @@ import pytest
 from tensegrity_ros.engine import params_from_structure
 from tensegrity_ros.ident import (DataError, IdentifyOptions, NotEnoughDataError, add_marker_noise, drop_frames,
                                   identify, make_dataset)
-from tensegrity_ros.ident.synthetic import actuated_pendulum, random_initial_state, simulate_dataset
-
-
-def _motor(t):
-    return np.stack([2.0 * np.sin(2 * np.pi * 1.3 * t), 2.0 * np.sin(2 * np.pi * 0.9 * t + 1.0)], axis=1)
+from tensegrity_ros.ident.synthetic import (actuated_pendulum, pendulum_drive, random_initial_state,
+                                             simulate_dataset)
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +17,7 @@ def noisy():
     p = params_from_structure(s)
     rng = np.random.default_rng(3)
     X0, V0 = random_initial_state(s, rng, params=p, pos_std=0.08, vel_std=0.5)
-    ds = simulate_dataset(s, p, X0, V0, dt=2e-3, steps=1500, every=5, motor_fn=_motor)
+    ds = simulate_dataset(s, p, X0, V0, dt=2e-3, steps=1500, every=5, motor_fn=pendulum_drive)
     return s, p, ds, add_marker_noise(ds, 1e-3, rng)
 
 

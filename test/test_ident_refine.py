@@ -6,14 +6,11 @@ import pytest
 
 from tensegrity_ros.engine import params_from_structure
 from tensegrity_ros.ident import RefineOptions, refine
-from tensegrity_ros.ident.synthetic import actuated_pendulum, random_initial_state, simulate_dataset
+from tensegrity_ros.ident.synthetic import (actuated_pendulum, pendulum_drive, random_initial_state,
+                                             simulate_dataset)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _motor(t):
-    return np.stack([2.0 * np.sin(2 * np.pi * 1.3 * t), 2.0 * np.sin(2 * np.pi * 0.9 * t + 1.0)], axis=1)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +20,7 @@ def pendulum_data():
     true = nominal.with_values({"s3.rest_length": 1.085, "m1.spool_radius": 0.012, "m2.spool_radius": 0.009})
     rng = np.random.default_rng(1)
     X0, V0 = random_initial_state(s, rng, params=true)
-    ds = simulate_dataset(s, true, X0, V0, dt=2e-3, steps=1000, every=5, motor_fn=_motor, motor_delay_s=0.02)
+    ds = simulate_dataset(s, true, X0, V0, dt=2e-3, steps=1000, every=5, motor_fn=pendulum_drive, motor_delay_s=0.02)
     return s, nominal, true, ds
 
 

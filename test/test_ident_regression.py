@@ -8,7 +8,8 @@ import pytest
 
 from tensegrity_ros.engine import params_from_structure
 from tensegrity_ros.ident import DataError, NotEnoughDataError, RegressionOptions, make_dataset, regress
-from tensegrity_ros.ident.synthetic import actuated_pendulum, random_initial_state, simulate_dataset
+from tensegrity_ros.ident.synthetic import (actuated_pendulum, pendulum_drive, random_initial_state,
+                                             simulate_dataset)
 from tensegrity_ros.model import load_structure
 
 MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
@@ -101,8 +102,7 @@ def test_rest_length_offsets_by_regression():
     true = p.with_values({"s3.rest_length": 1.085, "s1.rest_length": 0.953})
     rng = np.random.default_rng(1)
     X0, V0 = random_initial_state(s, rng, params=true)
-    motor = lambda t: np.stack([2.0 * np.sin(2 * np.pi * 1.3 * t), 2.0 * np.sin(2 * np.pi * 0.9 * t + 1.0)], 1)  # noqa
-    ds = simulate_dataset(s, true, X0, V0, dt=2e-3, steps=800, motor_fn=motor)
+    ds = simulate_dataset(s, true, X0, V0, dt=2e-3, steps=800, motor_fn=pendulum_drive)
     r = regress(s, ds, p, RegressionOptions(estimate=("stiffness", "damping", "rest_length"),
                                             known={"rod.mass": 1.0}, derivative_method="semi_implicit"))
     assert r.estimates["s3.rest_length"] == pytest.approx(1.085, abs=1e-4)

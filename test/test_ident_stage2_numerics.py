@@ -12,7 +12,8 @@ import torch
 
 from tensegrity_ros.engine import build_topology, params_from_structure
 from tensegrity_ros.ident import RefineOptions, refine
-from tensegrity_ros.ident.synthetic import actuated_pendulum, random_initial_state, simulate_dataset
+from tensegrity_ros.ident.synthetic import (actuated_pendulum, pendulum_drive, random_initial_state,
+                                             simulate_dataset)
 from tensegrity_ros.model import load_structure
 
 RF = importlib.import_module("tensegrity_ros.ident.refine")   # the module (the package exports the function)
@@ -64,8 +65,7 @@ def pendulum():
     s = actuated_pendulum()
     true = params_from_structure(s)
     X0, V0 = random_initial_state(s, np.random.default_rng(1), params=true)
-    motor = lambda t: np.stack([2.0 * np.sin(2 * np.pi * 1.3 * t), 2.0 * np.sin(2 * np.pi * 0.9 * t + 1)], 1)  # noqa
-    ds = simulate_dataset(s, true, X0, V0, dt=2e-3, steps=300, every=5, motor_fn=motor)
+    ds = simulate_dataset(s, true, X0, V0, dt=2e-3, steps=300, every=5, motor_fn=pendulum_drive)
     return s, true, ds
 
 

@@ -14,7 +14,7 @@ from ..engine import Inputs, Params, make_engine
 from ..model import Structure, structure_from_dict
 from .data import Dataset, make_dataset
 
-__all__ = ["actuated_pendulum", "random_initial_state", "simulate_dataset", "perturb"]
+__all__ = ["actuated_pendulum", "pendulum_drive", "random_initial_state", "simulate_dataset", "perturb"]
 
 
 def actuated_pendulum(delay_free: bool = True) -> Structure:
@@ -48,6 +48,13 @@ def actuated_pendulum(delay_free: bool = True) -> Structure:
         ],
     }
     return structure_from_dict(d)
+
+
+def pendulum_drive(t) -> np.ndarray:
+    """(T, 2) motor angles (rad) at times t (T,) s that excite :func:`actuated_pendulum`: two sinusoids of 2 rad
+    at 1.3 Hz and 0.9 Hz (phase 1 rad), incommensurate so every rest length and spool radius is seen."""
+    t = np.asarray(t, dtype=float)
+    return np.stack([2.0 * np.sin(2 * np.pi * 1.3 * t), 2.0 * np.sin(2 * np.pi * 0.9 * t + 1.0)], axis=1)
 
 
 def random_initial_state(structure: Structure, rng: np.random.Generator, pos_std: float = 0.05,
