@@ -4,6 +4,7 @@ Every bad recording exits with code 2, names the problem, and writes nothing.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -49,10 +50,13 @@ def test_simulate_writes_trajectories_plots_and_a_readable_bag(recorded):
 def test_identify_writes_a_valid_structure_file_and_a_report(recorded, tmp_path, capsys):
     out, report = tmp_path / "params.yaml", tmp_path / "report"
     rc = main(["identify", str(recorded / "bag"), "--model", str(MANIPULATOR), "--out", str(out),
-               "--report", str(report), "--max-iter", "3", "--window", "0.1", "--windows", "6"])
+               "--report", str(report), "--max-iter", "3", "--window", "0.1", "--windows", "6",
+               "--longer-windows", "0.2:3:1"])
     assert rc == 0
     # the progress bar must not stop stage 2 (tqdm's update() returns True when it redraws)
     assert "stopped by the callback" not in capsys.readouterr().out
+    summary = json.loads((report / "summary.json").read_text())
+    assert any("continued on 0.2-s windows" in n for n in summary["notes"])
     identified = load_structure(out)                                 # a valid structure file
     assert main(["validate", str(out)]) == 0
     names = {k for k, _ in identified.std_devs}
@@ -143,3 +147,12 @@ def test_bad_prior_std_flag_fails_before_reading_the_bag(tmp_path, capsys):
                "--prior-std", "stifness=0.2"])
     assert rc == 2 and not out.exists()
     assert "--prior-std" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec", ["0.3:24", "0.3:x:3", "0:24:3"])
+def test_bad_longer_windows_flag_fails_before_reading_the_bag(tmp_path, capsys, spec):
+    out = tmp_path / "params.yaml"
+    rc = main(["identify", str(tmp_path / "no_such_bag"), "--model", str(MANIPULATOR), "--out", str(out),
+               "--longer-windows", spec])
+    assert rc == 2 and not out.exists()
+    assert "--longer-windows" in capsys.readouterr().err

@@ -97,3 +97,37 @@ def test_stage1_start_far_from_the_prior_is_refused():
     # rest lengths are not scale parameters: never a reason
     moved = prior.with_values({"sc8.rest_length": 1.1 * float(prior.named()["sc8.rest_length"])})
     assert PL._far_from(moved, prior, 1.01) is None
+
+
+def test_longer_windows_continue_stage2_from_the_last_result(pendulum, monkeypatch):
+    """``longer_windows``: stage 2 runs again on longer windows from its own result, the prior still centred on
+    the original start, and the final problem (covariance, residual) is the long-window one."""
+    s, true, ds = pendulum
+    start = true.with_values({"s1.stiffness": 1.15 * float(true.named()["s1.stiffness"])})
+    calls = []
+    real = PL.refine
+
+    def spy(structure, data, start_params, opts, **kw):
+        calls.append((opts.window_s, opts.max_windows, opts.max_iter, opts.prior_center,
+                      float(start_params.named()["s1.stiffness"])))
+        return real(structure, data, start_params, opts, **kw)
+
+    monkeypatch.setattr(PL, "refine", spy)
+    res = PL.identify(s, ds, prior=start, stages=("refine",), options=PL.IdentifyOptions(
+        refine_kinds=("stiffness",), known={"rod.mass": 1.0}, window_s=0.1, max_iter=6,
+        longer_windows=((0.3, 4, 4),), prior_std={"stiffness": 0.5}, covariance=False))
+    assert res.ok, res.error
+    assert [c[:3] for c in calls] == [(0.1, None, 6), (0.3, 4, 4)]
+    # the second run starts where the first ended, with the prior centred on the original start
+    assert calls[1][4] != pytest.approx(calls[0][4])
+    assert calls[1][3] is not None and float(calls[1][3].named()["s1.stiffness"]) == pytest.approx(calls[0][4])
+    assert res.refinement.problem.opts.window_s == 0.3
+    assert any("continued on 0.3-s windows" in n for n in res.notes)
+    k = float(res.params.named()["s1.stiffness"]) / float(true.named()["s1.stiffness"])
+    assert k == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.parametrize("bad", [((0.3, 4),), ((0.0, 4, 4),), ((0.3, 0, 4),), ((0.3, 4, -1),)])
+def test_longer_windows_are_checked(bad):
+    with pytest.raises(ValueError, match="longer_windows"):
+        PL.IdentifyOptions(longer_windows=bad)

@@ -43,6 +43,9 @@ def add_arguments(parser) -> None:
                         "keep stage 2 nearly linear from a 20 %%-off model)")
     parser.add_argument("--windows", type=int, default=16,
                         help="multiple-shooting windows, spread over the recording (cost grows linearly)")
+    parser.add_argument("--longer-windows", action="append", default=[], metavar="SECONDS:COUNT:ITERS",
+                        help="then refine again on longer windows from that result, e.g. 0.3:24:3 (repeatable; "
+                             "long windows carry more information but need a start near the answer)")
     parser.add_argument("--noise-mm", type=float, default=1.0, help="marker noise of the recording, std [mm]")
     parser.add_argument("--prior-std", default="stiffness=0.2,damping=0.2,mass=0.2,rest_length=0.003",
                         help="the model file's uncertainty: Gaussian prior of stage 2 around it, per kind "
@@ -64,6 +67,7 @@ def run(args) -> int:
         raise UserError(f"--out {out}: folder {out.parent} does not exist")
     stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
     prior_std = _prior_std(args.prior_std)          # flags first: a typo fails before minutes of work
+    longer = tuple(_longer(x) for x in args.longer_windows)
     topics = TopicNames(motor_states=args.motor_topic, markers=args.markers_topic,
                         motor_commands=args.commands_topic)
     try:
@@ -93,8 +97,9 @@ def run(args) -> int:
     options = IdentifyOptions(estimate=_kinds(args.estimate), refine_kinds=_kinds(args.refine_kinds),
                               estimate_delay=args.estimate_delay, max_iter=args.max_iter, max_time_s=args.max_time,
                               window_s=args.window, max_windows=args.windows, noise_std_m=args.noise_mm * 1e-3,
-                              prior_std=prior_std, device=args.device)
-    with progress_bar(args.max_iter if "refine" in stages else 1, "identifying") as bar:
+                              prior_std=prior_std, longer_windows=longer, device=args.device)
+    iters = args.max_iter + sum(it for _, _, it in longer)
+    with progress_bar(iters if "refine" in stages else 1, "identifying") as bar:
         def tick(info) -> None:
             # returns None on purpose: a callback returning True stops stage 2, and tqdm's update() returns
             # True whenever it redraws (which stopped runs after ~2 iterations)
@@ -115,6 +120,18 @@ def run(args) -> int:
     dump_structure(identified, out, header=header)
     print(f"wrote {out}")
     return 0
+
+
+def _longer(text: str):
+    """'0.3:24:3' -> (0.3, 24, 3): window length [s], window count, Levenberg-Marquardt iterations."""
+    try:
+        ws, nw, it = text.split(":")
+        stage = (float(ws), int(nw), int(it))
+    except ValueError:
+        raise UserError(f"--longer-windows {text!r}: expected SECONDS:COUNT:ITERS, e.g. 0.3:24:3") from None
+    if not (stage[0] > 0 and stage[1] >= 1 and stage[2] >= 0):
+        raise UserError(f"--longer-windows {text!r}: need SECONDS > 0, COUNT >= 1, ITERS >= 0")
+    return stage
 
 
 def _checked(identified, bag):
