@@ -63,14 +63,14 @@ def _engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub
     s0 = s0.replace(velocities=s0.velocities + 0.01 * torch.randn_like(s0.velocities))
     s0 = eng.project(p, s0)
 
+    kw = dict(sub_batch=sub_batch) if compile else {}
+
     def once():
         if grad:
             k = p.stiffness.clone().requires_grad_(True)
-            kw = dict(sub_batch=sub_batch) if compile else {}
             out = eng.rollout(p.replace(stiffness=k), s0, None, DT, steps=steps, compile=compile, chunk=chunk, **kw)
             out.positions.square().sum().backward()
         else:
-            kw = dict(sub_batch=sub_batch) if compile else {}
             with torch.no_grad():
                 eng.rollout(p, s0, None, DT, steps=steps, compile=compile, chunk=chunk, **kw)
 

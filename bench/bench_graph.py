@@ -60,8 +60,9 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True) 
             for n in nodes.values():
                 if getattr(n, "fault", None) is not None:
                     raise RuntimeError(f"{n.get_name()} stopped: {n.fault}")
-            if graph.robot_stats()["faults"]:
-                raise RuntimeError(f"robot side stopped: {graph.robot_stats()['faults']}")
+            faults = graph.robot_stats()["faults"]
+            if faults:
+                raise RuntimeError(f"robot side stopped: {faults}")
         wall = time.monotonic() - t0
         cpu1 = {k: _cpu_s(p) for k, p in pids.items()}
         load1 = os.getloadavg()

@@ -367,6 +367,11 @@ def manipulator_errors(values: Dict[str, float], true: Dict[str, float]) -> Dict
     return out
 
 
+def _median_by_kind(errors: Dict[str, float], kinds: Sequence[str]) -> Dict[str, float]:
+    """Median of ``errors`` ({"element.kind": value}) per kind."""
+    return {k: float(np.median([v for n, v in errors.items() if n.endswith(k)])) for k in kinds}
+
+
 def manipulator(quick: bool, seed: int = 0) -> Dict[str, Any]:
     t0 = time.perf_counter()
     s, noisy, prior, true, total = manipulator_problem(seed=seed)
@@ -397,15 +402,14 @@ def manipulator(quick: bool, seed: int = 0) -> Dict[str, Any]:
     wall = time.perf_counter() - t1
     e_prior = manipulator_errors({n: float(v) for n, v in prior.named().items()}, true)
     e = manipulator_errors(res.values(), true) if res.ok else e_prior
-    by_kind = {k: float(np.median([x for n, x in e.items() if n.endswith(k)])) for k in kinds}
+    by_kind = _median_by_kind(e, kinds)
     rest_mm = [abs(res.values()[n] - true[n]) * 1e3 for n in true if n.endswith("rest_length")]
     z = [(res.values()[n] - true[n]) / res.std_devs[n] for n in e
          if n in res.std_devs and np.isfinite(res.std_devs[n]) and res.std_devs[n] > 0]
     out.update({"ok": res.ok, "error": None if res.ok else str(res.error), "wall_s": wall, "timings": res.timings,
                 "median_error_pct": float(np.median(list(e.values()))), "median_error_pct_by_kind": by_kind,
                 "prior_median_error_pct": float(np.median(list(e_prior.values()))),
-                "prior_median_error_pct_by_kind": {k: float(np.median([x for n, x in e_prior.items()
-                                                                        if n.endswith(k)])) for k in kinds},
+                "prior_median_error_pct_by_kind": _median_by_kind(e_prior, kinds),
                 "rest_length_error_mm_median": float(np.median(rest_mm)), "errors_pct": e,
                 "residual_rms_mm": res.residual_rms_m * 1e3,
                 "z_rms": float(np.sqrt(np.mean(np.square(z)))) if z else None,
@@ -445,7 +449,7 @@ def manipulator_bound(s, data, true: Dict[str, float], total: float) -> List[Dic
                                       jacobian="forward")
         rel = {n: 100 * 0.674 * sd / true[n] for n, sd in cov.std_devs.items()}
         rows.append({"window_s": ws, "windows": prob.B_win, "median_error_pct": float(np.median(list(rel.values()))),
-                     "by_kind": {k: float(np.median([v for n, v in rel.items() if n.endswith(k)])) for k in kinds}})
+                     "by_kind": _median_by_kind(rel, kinds)})
     return rows
 
 

@@ -1047,10 +1047,6 @@ class StatePredictorNode(C.GraphNode):
         self.stream.install(new, wall)   # interpolated and extended here, before the callbacks use it
         self.lin_time.add(wall)
 
-    def nominal_steps(self) -> int:
-        """Prediction steps of the next nominal (see :class:`PredictionStream`)."""
-        return self.stream.nominal_steps()
-
     # ---- per message ---------------------------------------------------------------------------------------
     def _on_node_states(self, data: bytes, info=None) -> None:
         t_in = time.perf_counter()
