@@ -396,7 +396,7 @@ def manipulator(quick: bool, seed: int = 0) -> Dict[str, Any]:
     opts = IdentifyOptions(estimate=kinds, refine_kinds=kinds, total_mass=total, window_s=0.1,
                            max_windows=12 if quick else 24, max_iter=8, smooth_window_s=0.05,
                            longer_windows=longer, covariance_windows=4 if quick else 12,
-                           refine={"jacobian": "forward"}, prior_std=prior_std, noise_std_m=1e-3)
+                           prior_std=prior_std, noise_std_m=1e-3)
     t1 = time.perf_counter()
     res = identify(s, noisy, prior=prior, stages=("refine",), options=opts)
     wall = time.perf_counter() - t1
@@ -445,8 +445,7 @@ def manipulator_bound(s, data, true: Dict[str, float], total: float) -> List[Dic
         prob = RefineProblem(s, [data], params_from_structure(s), RefineOptions(
             kinds=kinds, window_s=ws, max_windows=nw, total_mass=total, noise_std_m=1e-3, smooth_window_s=0.05))
         x0 = torch.zeros(prob.B_win, len(prob.top.free_nodes), 6, dtype=prob.dtype)
-        cov = gauss_newton_covariance(prob, prob.initial_w(0.0), x0, noise_std_m=1e-3, max_windows=16,
-                                      jacobian="forward")
+        cov = gauss_newton_covariance(prob, prob.initial_w(0.0), x0, noise_std_m=1e-3, max_windows=16)
         rel = {n: 100 * 0.674 * sd / true[n] for n, sd in cov.std_devs.items()}
         rows.append({"window_s": ws, "windows": prob.B_win, "median_error_pct": float(np.median(list(rel.values()))),
                      "by_kind": _median_by_kind(rel, kinds)})

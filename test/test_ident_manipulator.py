@@ -44,7 +44,7 @@ def test_manipulator_small():
         kinds = ("mass", "stiffness", "damping", "rest_length")
         res = identify(s, ds, prior=prior, stages=("refine",), options=IdentifyOptions(
             refine_kinds=kinds, total_mass=total, window_s=0.1, max_windows=5, max_iter=5, smooth_window_s=0.05,
-            covariance=False, refine={"jacobian": "forward"}, noise_std_m=1e-3,
+            covariance=False, noise_std_m=1e-3,
             prior_std={"stiffness": 0.2, "damping": 0.2, "mass": 0.2, "rest_length": 0.002}))
         assert res.ok, res.error
         assert res.residual_rms_m < 3e-3                         # the 3-D noise level is sqrt(3) mm

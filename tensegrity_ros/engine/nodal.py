@@ -284,13 +284,25 @@ def _solve(Ainv, r, fused: bool):
     return (Ainv @ r.unsqueeze(-1)).mT
 
 
-def accelerations(c: NodalConstants, der: Derived, Q, V, u, udot, fext, opts: Options):
-    """Q'' (B, 3, n_free) m/s^2 and A^-1 (B, nba, nba) at the reduced state Q (m), V (m/s)."""
+class Constrained(NamedTuple):
+    """The constrained acceleration Q'' = a0 + M_q^-1 (C_b T)^T (lambda * d) and what it was built from:
+    a, a0 (B, 3, n_free) m/s^2; d, dd (B, 3, nba) bar vectors m and rates m/s; Ainv (B, nba, nba);
+    lam (B, nba) bar force densities (None without bars)."""
+
+    a: torch.Tensor
+    a0: torch.Tensor
+    d: Optional[torch.Tensor]
+    dd: Optional[torch.Tensor]
+    Ainv: Optional[torch.Tensor]
+    lam: Optional[torch.Tensor]
+
+
+def constrained_accelerations(c: NodalConstants, der: Derived, Q, V, F, opts: Options) -> Constrained:
+    """Q'' from the generalised forces F (B, 3, n_free) with the bar-length multipliers solved exactly."""
     fused = opts.fused
-    F = generalized_forces(c, der, Q, V, u, udot, fext, fused)
     a0 = rmul(F, der.Minv, fused=fused)
     if c.Cb_q.shape[0] == 0:
-        return a0, None
+        return Constrained(a0, a0, None, None, None, None)
     d = _bars(c, Q, fused) + c.dcT                                  # (B, 3, nba)
     dd = _bars(c, V, fused)
     rhs = -(dd * dd).sum(-2) - (d * _bars(c, a0, fused)).sum(-2)   # (B, nba)
@@ -300,7 +312,28 @@ def accelerations(c: NodalConstants, der: Derived, Q, V, u, udot, fext, opts: Op
         rhs = rhs - 2.0 * alpha * (d * dd).sum(-2) - beta * beta * g
     Ainv = spd_inverse(_bar_matrix(der, d, fused), opts.solver)
     lam = _solve(Ainv, rhs, fused)                                  # (B, 1, nba)
-    return a0 + rmul(lam * d, der.Pt, fused=fused), Ainv
+    return Constrained(a0 + rmul(lam * d, der.Pt, fused=fused), a0, d, dd, Ainv, lam.squeeze(-2))
+
+
+def accelerations(c: NodalConstants, der: Derived, Q, V, u, udot, fext, opts: Options):
+    """Q'' (B, 3, n_free) m/s^2 and A^-1 (B, nba, nba) at the reduced state Q (m), V (m/s)."""
+    F = generalized_forces(c, der, Q, V, u, udot, fext, opts.fused)
+    out = constrained_accelerations(c, der, Q, V, F, opts)
+    return out.a, out.Ainv
+
+
+def project_positions_once(c: NodalConstants, der: Derived, Q, Ainv, fused: bool = False):
+    """One mass-weighted Gauss-Newton step of Q towards |d_b| = l_b with the (chord) matrix A^-1."""
+    d = _bars(c, Q, fused) + c.dcT
+    g = 0.5 * ((d * d).sum(-2) - c.l2)
+    return Q - rmul(_solve(Ainv, g, fused) * d, der.Pt, fused=fused)
+
+
+def project_velocities(c: NodalConstants, der: Derived, Q, V, Ainv, fused: bool = False):
+    """V projected onto d_b . d_b' = 0 at the positions Q (mass-weighted, chord matrix A^-1)."""
+    d = _bars(c, Q, fused) + c.dcT
+    nu = _solve(Ainv, (d * _bars(c, V, fused)).sum(-2), fused)
+    return V - rmul(nu * d, der.Pt, fused=fused)
 
 
 def project(c: NodalConstants, der: Derived, Q, V, Ainv, iters: int, fused: bool = False):
@@ -312,13 +345,8 @@ def project(c: NodalConstants, der: Derived, Q, V, Ainv, iters: int, fused: bool
     if iters <= 0 or Ainv is None:
         return Q, V
     for _ in range(iters):
-        d = _bars(c, Q, fused) + c.dcT
-        g = 0.5 * ((d * d).sum(-2) - c.l2)
-        Q = Q - rmul(_solve(Ainv, g, fused) * d, der.Pt, fused=fused)
-    d = _bars(c, Q, fused) + c.dcT
-    nu = _solve(Ainv, (d * _bars(c, V, fused)).sum(-2), fused)
-    V = V - rmul(nu * d, der.Pt, fused=fused)
-    return Q, V
+        Q = project_positions_once(c, der, Q, Ainv, fused)
+    return Q, project_velocities(c, der, Q, V, Ainv, fused)
 
 
 def implicit_step(c: NodalConstants, der: Derived, Q, V, u, udot, fext, h: float, opts: Options):

@@ -111,12 +111,13 @@ def _format(v: np.ndarray, names: List[str]) -> str:
 def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optional[torch.Tensor] = None, *,
                             noise_std_m: Optional[float] = None, max_windows: Optional[int] = 16,
                             rank_tol: float = 1e-9, identifiable_threshold: float = 0.9,
-                            weak_std: float = 0.1, jacobian: str = "central") -> Covariance:
+                            weak_std: float = 0.1, jacobian: str = "auto") -> Covariance:
     """Gauss-Newton covariance at the refined point (see the module docstring).
 
     noise_std_m: the residual noise level (None: estimated from the residuals). max_windows: Jacobians on
     at most this many windows (evenly spread); the information is scaled up to all windows. jacobian:
-    ``central`` differences or ``forward_ad`` (see :meth:`RefineProblem.jacobian_blocks`).
+    ``auto`` (the exact tangent-linear model where the engine has one, else central differences), or any
+    method of :meth:`RefineProblem.jacobian_blocks`.
     """
     prob = problem
     nb = prob.B.shape[1]

@@ -378,8 +378,10 @@ PARAMS = (
               "nearly linear from a 20 %-off start)", range=(0.01, 10.0)),
     ParamSpec("stage2_max_windows", 4, "stage-2 windows per update (spread over the sliding window)",
               range=(1, 1000)),
-    ParamSpec("stage2_jacobian", "forward", "stage-2 Jacobian: forward | central (finite differences in one "
-              "batched rollout) | forward_ad (dual numbers)", choices=("forward", "central", "forward_ad")),
+    ParamSpec("stage2_jacobian", "auto", "stage-2 Jacobian: auto (tangent where the engine has a tangent-linear "
+              "model, else central) | tangent (exact, one rollout) | forward | central (finite differences in one "
+              "batched rollout) | forward_ad (dual numbers)",
+              choices=("auto", "tangent", "forward", "central", "forward_ad")),
     ParamSpec("prior_std", [0.3, 0.2, 0.2, 0.003], "stage-2 Gaussian prior around the NOMINAL model (each update "
               "starts from the active set), per kind: stiffness, damping, mass (relative), rest length [m]; "
               "0 = none. Damping is weakly seen in short windows: the prior keeps it near the nominal value "

@@ -1,0 +1,346 @@
+"""Tangent-linear model of the nodal engine's semi-implicit step: exact forward sensitivities of a rollout
+in many directions at once, for Gauss-Newton identification.
+
+A rollout's Jacobian with respect to P parameters and the 6 n_free start-state coordinates can be had by
+rolling out one copy of the engine per direction (finite differences or dual numbers). Each copy then
+repeats the whole step, including the bar-constraint matrix inverse, and the work is thousands of tiny
+element-wise operations. Here the primal is stepped ONCE per window, and every direction is pushed through
+the step's linearisation, built per window and step as a few dense (3 n_free)^2 matrices and applied to all
+directions with batched matrix products:
+
+    M_q Q'' = F(Q, V) + J(Q)^T lambda,   J(Q) Q'' = -|d'|^2            (nodal.py; J rows: d_b (x) C_b T)
+    dQ'' = P M^-1 (dF + dJ^T lambda) - M^-1 J^T A^-1 (2 d'.dd' + dJ Q'')     P = I - M^-1 J^T A^-1 J
+    dF   = -sum_c g_c (kappa_c g_c + zeta_c h_c)^T dq - zeta_c g_c g_c^T dv - sum_s (t_s/xi_s)(c_s c_s^T) (x) (I - e_s e_s^T) dq
+    mass directions: dQ'' = P M^-1 (dF_gravity - dM_q Q'');   string directions: dF = -g_c dT_c
+
+(g_c = dL_c/dq the composite string's unit force pattern, h_c = dL'_c/dq, t_s, xi_s, e_s a segment's
+tension, length and unit vector, c_s its row of C_s T). The step is then differentiated as the engine
+takes it (semi-implicit Euler, then the chord Gauss-Newton projection with the step's A^-1). Terms
+proportional to the constraint violation left by one step (~h^2 |d'|^2, 1e-7 relative) are dropped;
+everything else is exact. The test compares with central differences of the engine itself.
+
+Only the ``semi_implicit`` integrator without Baumgarte terms is covered (what identification uses);
+:func:`supports` says whether an engine is.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from ._common import convert_like
+from .nodal import (Derived, NodalConstants, Options, constrained_accelerations, generalized_forces,
+                    project_positions_once, project_velocities)
+
+
+class ParamTangents(NamedTuple):
+    """Derivatives of the per-params quantities along P directions (the last axis):
+    EA, zeta, xi00: (S, P); Y: (S, A, P); z: (A, P); mass: (n_bars, P)."""
+
+    EA: torch.Tensor
+    zeta: torch.Tensor
+    xi00: torch.Tensor
+    Y: torch.Tensor
+    z: torch.Tensor
+    mass: torch.Tensor
+
+
+def supports(engine) -> bool:
+    """Whether :func:`rollout_tangents` linearises this engine's step exactly."""
+    opts = getattr(engine, "options", None)
+    return (getattr(engine, "backend", None) == "nodal" and engine.integrator == "semi_implicit"
+            and opts is not None and not any(opts.baumgarte))
+
+
+def param_tangents(c: NodalConstants, fn, w: torch.Tensor) -> ParamTangents:
+    """ParamTangents of ``fn(w) -> Params`` at ``w`` (P = w.numel(); forward mode, one small evaluation)."""
+    from .nodal import prepare
+
+    def fields(wv):
+        p = fn(wv)
+        der = prepare(c, p)
+        return der.EA, der.zeta, der.xi00, der.Y, der.z, p.mass
+
+    return ParamTangents(*torch.func.jacfwd(fields)(w))
+
+
+def _kron_cols(x: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """(B, 3, m) x (nf, m) or (B, nf, m) -> (B, 3 nf, m): column j is x[:, :, j] (x) M[:, j]
+    (coordinate-major vec)."""
+    B, _, m = x.shape
+    M = M.unsqueeze(-3) if M.dim() == 3 else M
+    return (x.unsqueeze(2) * M).reshape(B, 3 * M.shape[-2], m)
+
+
+def _add_block_diag(K: torch.Tensor, M: torch.Tensor, nf: int) -> None:
+    """K (B, 3 nf, 3 nf) (a view is fine) += I_3 (x) M, M (B, nf, nf) or (nf, nf), in place."""
+    for k in range(3):
+        K[:, k * nf:(k + 1) * nf, k * nf:(k + 1) * nf] += M
+
+
+class _Linearised(NamedTuple):
+    """One step's linearisation; tangent quantities in the tangent dtype, ``a`` and ``Ainv`` in the primal's."""
+
+    Aq: torch.Tensor      # (B, n, n)  dQ''/dq
+    Av: torch.Tensor      # (B, n, n)  dQ''/dv
+    Ap: torch.Tensor      # (B, n, P)  dQ''/dtheta (None when P = 0)
+    a: torch.Tensor       # (B, 3, nf) the primal acceleration
+    Ainv: Optional[torch.Tensor]   # (B, nba, nba) the constraint matrix inverse at the start (the projection's chord)
+    d_t: Optional[torch.Tensor]    # (B, 3, nba) bar vectors at the step start
+    Ainv_t: Optional[torch.Tensor]
+
+
+class _MassTangents(NamedTuple):
+    """Derivatives of M_q^-1-derived constants along the P directions: Pt (P, nba, nf), Gc (P, nba, nba)."""
+
+    Pt: torch.Tensor
+    Gc: torch.Tensor
+
+
+def _mass_tangents(c: NodalConstants, der: Derived, dth: ParamTangents) -> _MassTangents:
+    dMq = torch.einsum("bp,bij->pij", dth.mass, c.E_q)
+    dMinv = -der.Minv @ dMq @ der.Minv
+    dPt = c.Cb_q @ dMinv
+    return _MassTangents(dPt, dPt @ c.Cbt)
+
+
+def _linearise(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], Q, V, u, ud, du, fq,
+               opts: Options, ct: NodalConstants, dert: Derived) -> _Linearised:
+    """The primal from (c, der) in the state's dtype; the matrices from (ct, dert, dth) in theirs."""
+    B, _, nf = Q.shape
+    n = 3 * nf
+    F, st = generalized_forces(c, der, Q, V, u, ud, fq, with_strings=True)
+    ca = constrained_accelerations(c, der, Q, V, F, opts)
+    tdt = ct.T.dtype
+    # per segment: lengths, unit vectors, tensions; h_s = (I - e e^T) s' / xi (rate of e . s')
+    s = Q @ c.Cst + c.scT
+    xi = torch.linalg.vector_norm(s, dim=-2)                              # (B, ns)
+    e = st.e
+    sd = V @ c.Cst
+    hseg = ((sd - e * (e * sd).sum(-2, keepdim=True)) / xi.unsqueeze(-2)).to(tdt)
+    w = (st.tension @ c.Gt / xi).to(tdt)                                  # segment tension / length
+    act = (st.tension > 0).to(tdt)                                        # (B, S)
+    e = e.to(tdt)
+    u, ud, du = (None if x is None else x.to(tdt) for x in (u, ud, du))
+    c, der = ct, dert
+    Ew = _kron_cols(e, c.Cst)                                             # (B, n, ns)
+    Gm = Ew @ c.G                                                         # (B, n, S)  g_c
+    Hm = _kron_cols(hseg, c.Cst) @ c.G                                    # (B, n, S)  h_c
+    kap = act * st.kappa.to(tdt)
+    zet = act * der.zeta
+    # [Kq | Kv] = -[g k g^T + g z h^T - e w e^T | g z g^T] in one product
+    left = torch.cat([Gm * kap.unsqueeze(-2), Gm * zet.unsqueeze(-2), Ew * w.unsqueeze(-2)], -1)
+    Z = torch.zeros_like(Gm)
+    right = torch.cat([torch.cat([-Gm, -Hm, Ew], -1), torch.cat([Z, -Gm, torch.zeros_like(Ew)], -1)], -2)
+    K = left @ right.mT                                                   # (B, n, 2n)
+    geo = (c.Cst * w.unsqueeze(-2)) @ c.Cs_q                              # (B, nf, nf)
+    Minv = der.Minv
+    # parameter directions: dF (B, n, P) = -g_c dT_c (+ weights), then through the constrained solve
+    Fp = None
+    if dth is not None and dth.EA.shape[-1] > 0:
+        xi0, D, Dd = st.xi0.to(tdt), st.D.to(tdt), st.Ddot.to(tdt)
+        dxi0 = dth.xi00.unsqueeze(0)
+        dxi0d = torch.zeros_like(dxi0)
+        if u is not None and der.Y.shape[-1] > 0:
+            S_, A_, P_ = dth.Y.shape
+            dYf = dth.Y.transpose(0, 1).reshape(A_, S_ * P_)
+            dxi0 = dxi0 + ((u - der.z) @ dYf).reshape(-1, S_, P_) - der.Y @ dth.z
+            if ud is not None:
+                dxi0d = (ud @ dYf).reshape(-1, S_, P_)
+            if du is not None:
+                dxi0 = dxi0 + der.Y @ du
+        EA = der.EA
+        dT = act.unsqueeze(-1) * ((D / xi0).unsqueeze(-1) * dth.EA + Dd.unsqueeze(-1) * dth.zeta
+                                  - (EA * (D / xi0 + 1.0) / xi0).unsqueeze(-1) * dxi0
+                                  - der.zeta.unsqueeze(-1) * dxi0d)      # (B, S, P)
+        Fp = -Gm @ dT
+        dMq = torch.einsum("bp,bij->pij", dth.mass, c.E_q)                 # (P, nf, nf)
+        dFg = c.gravity.reshape(3, 1, 1) * (c.WqT.mT @ dth.mass).unsqueeze(0)   # (3, nf, P)
+        P_ = dMq.shape[0]
+        Fp = Fp + dFg.reshape(1, n, -1) - (ca.a.to(tdt).reshape(B * 3, nf) @ dMq.permute(2, 1, 0).reshape(nf, nf * P_)
+                                           ).reshape(B, n, P_)
+    if ca.Ainv is None:
+        _add_block_diag(K[..., :n], -geo, nf)
+        MinvB = _block_diag3(Minv.expand(B, nf, nf), nf)
+        MK = MinvB @ (K if Fp is None else torch.cat([K, Fp], -1))
+        return _Linearised(MK[..., :n], MK[..., n:2 * n], MK[..., 2 * n:] if Fp is not None else None, ca.a,
+                           None, None, None)
+    d, dd, Ainv, lam = (x.to(tdt) for x in (ca.d, ca.dd, ca.Ainv, ca.lam))
+    MJ = _kron_cols(d, der.Pt.mT)                                         # (B, n, nba) = M^-1 J^T
+    MJA = MJ @ Ainv
+    Pi = -(MJA @ MJ.mT)                                                   # P M^-1 = M^-1 - M^-1 J^T A^-1 J M^-1
+    _add_block_diag(Pi, Minv, nf)
+    _add_block_diag(K[..., :n], (c.Cbt * lam.unsqueeze(-2)) @ c.Cb_q - geo, nf)   # + dJ^T lambda, - geometric
+    R = torch.cat([_kron_cols(ca.a.to(tdt) @ c.Cbt, c.Cbt), _kron_cols(2.0 * dd, c.Cbt)], -2)   # rows of dJ Q'', 2 d'.dd'
+    PK = Pi @ (K if Fp is None else torch.cat([K, Fp], -1))
+    PK[..., :2 * n] -= MJA @ R.mT
+    return _Linearised(PK[..., :n], PK[..., n:2 * n], PK[..., 2 * n:] if Fp is not None else None, ca.a, ca.Ainv,
+                       d, Ainv)
+
+
+def _block_diag3(M: torch.Tensor, nf: int) -> torch.Tensor:
+    """I_3 (x) M: (B, 3 nf, 3 nf) from M (B, nf, nf)."""
+    out = M.new_zeros(M.shape[0], 3, nf, 3, nf)
+    for k in range(3):
+        out[:, k, :, k, :] = M
+    return out.reshape(M.shape[0], 3 * nf, 3 * nf)
+
+
+def _chord_terms(x: torch.Tensor, d: torch.Tensor, d0: torch.Tensor, c: NodalConstants, der: Derived,
+                 mt: Optional[_MassTangents], Ainv: torch.Tensor):
+    """Row-form pieces of the tangent of one chord correction Y - M^-1 J(Q)^T x, x = A0^-1 (violation),
+    with J at the bar vectors d and A0 = G_c o (d0^T d0) from the step start:
+
+        dY' = dY - (dviol - dA0 x) A0^-1 (M^-1 J^T)^T - dQ (I_3 (x) C_b^T diag(x) Pt) - [mass: x d (x) dPt]
+        (dA0 x)_b = dd0_b . sum_g Gc_bg x_g d0_g + d0_b . sum_g Gc_bg x_g dd0_g (+ dGc along mass directions)
+
+    Returns AM = A0^-1 (M^-1 J^T)^T (B, nba, n), Jt = J^T (B, n, nba), the start-tangent map U = K AM (B, n, n)
+    (dA0 x = dQ0 K), Bd = I_3 (x) C_b^T diag(x) Pt (B, n, n) and the mass-direction rows E (B, P, n) or None."""
+    B, _, nba = d.shape
+    nf = c.Cbt.shape[0]
+    Jt = _kron_cols(d, c.Cbt)
+    AM = Ainv @ _kron_cols(d, der.Pt.mT).mT
+    K = _kron_cols((d0 * x.unsqueeze(-2)) @ der.Gc, c.Cbt) + _kron_cols(d0, (c.Cbt * x.unsqueeze(-2)) @ der.Gc)
+    Bd = _block_diag3((c.Cbt * x.unsqueeze(-2)) @ der.Pt, nf)
+    E = None
+    if mt is not None:
+        P = mt.Gc.shape[0]
+        Y = (d0.mT @ d0) * x.unsqueeze(-2)                                # (B, nba, nba)
+        mGc = (Y.transpose(0, 1) @ mt.Gc.permute(1, 2, 0)).permute(1, 2, 0)      # sum_g dGc_pbg Y_bg
+        dP = ((d * x.unsqueeze(-2)).reshape(B * 3, nba) @ mt.Pt.transpose(0, 1).reshape(nba, P * nf))
+        E = mGc @ AM - dP.reshape(B, 3, P, nf).transpose(1, 2).reshape(B, P, 3 * nf)
+    return AM, Jt, K @ AM, Bd, E
+
+
+def _step(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], mt: Optional[_MassTangents], Q, V,
+          u, ud, du, fq, h: float, opts: Options, ct: NodalConstants, dert: Derived):
+    """One engine step and its tangent map in row form: [dQ1 dV1] = [dQ dV] Phi (+ Psi for the P parameter
+    directions). Returns Q1, V1 (primal dtype), Phi (B, 2n, 2n), Psi (B, P, 2n) or None (ct's dtype)."""
+    lin = _linearise(c, der, dth, Q, V, u, ud, du, fq, opts, ct, dert)
+    B, _, nf = Q.shape
+    n = 3 * nf
+    tdt = ct.T.dtype
+    eye = torch.eye(n, dtype=tdt, device=Q.device)
+    # semi-implicit Euler: V1 = V + h a(Q, V), Q1 = Q + h V1. Phi's column blocks: [coefficients of Q1 | of V1]
+    Yv = h * lin.Av.mT
+    Yv.diagonal(dim1=-2, dim2=-1).add_(1.0)
+    Phi = torch.empty(B, 2 * n, 2 * n, dtype=tdt, device=Q.device)
+    Phi[:, :n, n:] = h * lin.Aq.mT
+    Phi[:, n:, n:] = Yv
+    Phi[:, :, :n] = h * Phi[:, :, n:]
+    Phi[:, :n, :n].diagonal(dim1=-2, dim2=-1).add_(1.0)
+    Psi = None
+    if lin.Ap is not None:
+        Pv = h * lin.Ap.mT
+        Psi = torch.cat([h * Pv, Pv], -1)
+    V = V + h * lin.a
+    Q = Q + h * V
+    if lin.Ainv is not None and opts.projection_iters > 0:
+        Ainv, d0, Ainv_t = lin.Ainv, lin.d_t, lin.Ainv_t
+        for _ in range(opts.projection_iters):
+            d = Q @ c.Cbt + c.dcT
+            y = (Ainv @ (0.5 * ((d * d).sum(-2) - c.l2)).unsqueeze(-1)).squeeze(-1)
+            AM, Jt, U, Bd, E = _chord_terms(y.to(tdt), d.to(tdt), d0, ct, dert, mt, Ainv_t)
+            T = eye - Jt @ AM - Bd
+            Phi[:, :, :n] = Phi[:, :, :n] @ T
+            Phi[:, :n, :n] += U
+            if Psi is not None:
+                Psi[..., :n] = Psi[..., :n] @ T + E
+            Q = project_positions_once(c, der, Q, Ainv)
+        d = Q @ c.Cbt + c.dcT
+        nu = (Ainv @ (d * (V @ c.Cbt)).sum(-2).unsqueeze(-1)).squeeze(-1)
+        AM, Jt, U, Bd, E = _chord_terms(nu.to(tdt), d.to(tdt), d0, ct, dert, mt, Ainv_t)
+        # [Wv; Tv]: V1's map through J(Q) (in J V and in M^-1 J^T nu) and through V1 itself
+        WT = torch.cat([-(_kron_cols((V @ c.Cbt).to(tdt), ct.Cbt) @ AM + Bd), eye - Jt @ AM], -2)
+        Phi[:, :, n:] = Phi @ WT
+        Phi[:, :n, n:] += U
+        if Psi is not None:
+            Psi[..., n:] = Psi @ WT + E
+        V = project_velocities(c, der, Q, V, Ainv)
+    return Q, V, Phi, Psi
+
+
+def project_with_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], Q, V, SQ, SV,
+                          iters: int):
+    """:meth:`NodalEngine.project` (``iters`` times: A formed at the positions, one position step, then the
+    velocities) with its exact tangent. Q, V (B, 3, nf); SQ, SV (B, C, 3, nf), the first P directions those
+    of ``dth``. Returns Q, V, SQ, SV."""
+    from .nodal import _bar_matrix, project, spd_inverse
+    B, C, _, nf = SQ.shape
+    n = 3 * nf
+    P = 0 if dth is None else dth.EA.shape[-1]
+    mt = _mass_tangents(c, der, dth) if P else None
+    Sq, Sv = SQ.reshape(B, C, n), SV.reshape(B, C, n)
+    eye = torch.eye(n, dtype=Q.dtype, device=Q.device)
+    for _ in range(iters if c.Cb_q.shape[0] else 0):
+        d0 = Q @ c.Cbt + c.dcT
+        Ainv = spd_inverse(_bar_matrix(der, d0, False), "lapack")
+        y = (Ainv @ (0.5 * ((d0 * d0).sum(-2) - c.l2)).unsqueeze(-1)).squeeze(-1)
+        AM, Jt, U, Bd, E = _chord_terms(y, d0, d0, c, der, mt, Ainv)
+        Sq_new = Sq @ (eye - Jt @ AM - Bd + U)                            # A formed here: dA0 uses Sq itself
+        if E is not None:
+            Sq_new[:, :P] += E
+        Q1, V1 = project(c, der, Q, V, Ainv, 1)
+        d = Q1 @ c.Cbt + c.dcT
+        nu = (Ainv @ (d * (V @ c.Cbt)).sum(-2).unsqueeze(-1)).squeeze(-1)
+        AM, Jt, U, Bd, E = _chord_terms(nu, d, d0, c, der, mt, Ainv)
+        Sv = Sv @ (eye - Jt @ AM) - Sq_new @ (_kron_cols(V @ c.Cbt, c.Cbt) @ AM + Bd) + Sq @ U
+        if E is not None:
+            Sv[:, :P] += E
+        Q, V, Sq = Q1, V1, Sq_new
+    return Q, V, Sq.reshape(B, C, 3, nf), Sv.reshape(B, C, 3, nf)
+
+
+def rollout_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], Q0, V0, SQ0, SV0,
+                     u, ud, du, fq, dt: float, n_steps: int, opts: Options, sample_steps: torch.Tensor,
+                     dtype: Optional[torch.dtype] = None):
+    """``n_steps`` semi-implicit steps of B windows with C tangent directions, sampled at fractional steps.
+
+    Q0, V0: (B, 3, nf) reduced start state; SQ0, SV0: (B, C, 3, nf) its tangents; the first P directions
+    are the parameter directions of ``dth`` (P = 0 when None). u, ud: (n_steps, B, A) motor angles and
+    rates or None; du: (n_steps, B, A, P) motor-angle tangents or None; fq: (n_steps, B, 3, nf) reduced
+    external forces or None. sample_steps: (B, H) fractional step index of each sample in [0, n_steps]
+    (linear interpolation between the states after steps k and k + 1, as ``RefineProblem.simulate``).
+    dtype: of the tangents (default: the state's). float32 halves the cost of the matrix products; the
+    primal stays in the state's dtype, so the positions are the engine's to round-off either way.
+    Returns positions Q (B, H, 3, nf) and tangents (B, H, C, 3, nf) at the samples.
+    """
+    tdt = dtype or Q0.dtype
+    ref = torch.empty(0, dtype=tdt, device=Q0.device)
+    ct, dert = convert_like(c, ref), convert_like(der, ref)
+    if dth is not None:
+        dth = ParamTangents(*(x.to(tdt) for x in dth))
+    B, _, nf = Q0.shape
+    C = SQ0.shape[1]
+    n = 3 * nf
+    P = 0 if dth is None else dth.EA.shape[-1]
+    k0 = torch.clamp(torch.floor(sample_steps + 1e-9), 0, max(n_steps - 1, 0)).long()
+    wgt = (sample_steps - k0.to(sample_steps.dtype)).clamp(0.0, 1.0)
+    H = sample_steps.shape[1]
+    outQ = Q0.new_zeros(B, H, 3, nf)
+    outS = Q0.new_zeros(B, H, C, n, dtype=tdt)
+    bidx = torch.arange(B, device=Q0.device).unsqueeze(1).expand(B, H)
+    hidx = torch.arange(H, device=Q0.device).unsqueeze(0).expand(B, H)
+    reads = {}                    # step k -> the (window, sample, weight) triples that read the state after it
+    for kk, ww in ((k0, 1.0 - wgt), (k0 + 1, wgt)):
+        for k in torch.unique(kk).tolist():
+            m = kk == k
+            reads.setdefault(k, []).append((bidx[m], hidx[m], ww[m].reshape(-1, 1, 1)))
+
+    def record(k, Q, S):
+        for bi, hi, ww in reads.get(k, ()):
+            outQ.index_put_((bi, hi), ww * Q[bi], accumulate=True)
+            outS.index_put_((bi, hi), ww.to(tdt) * S[bi], accumulate=True)
+
+    mt = _mass_tangents(ct, dert, dth) if P and c.Cb_q.shape[0] else None
+    Q, V = Q0, V0
+    S = torch.cat([SQ0.reshape(B, C, n), SV0.reshape(B, C, n)], -1).to(tdt)   # (B, C, 2n)
+    record(0, Q, S[..., :n])
+    for k in range(n_steps):
+        Q, V, Phi, Psi = _step(c, der, dth, mt, Q, V, None if u is None else u[k], None if ud is None else ud[k],
+                               None if du is None else du[k], None if fq is None else fq[k], float(dt), opts, ct, dert)
+        S = S @ Phi
+        if Psi is not None:
+            S[:, :P] += Psi
+        record(k + 1, Q, S[..., :n])
+    return outQ, outS.reshape(B, H, C, 3, nf)

@@ -1,0 +1,98 @@
+"""The nodal engine's tangent-linear model (engine/tangent.py) against forward-mode AD of the engine itself,
+and stage 2's ``tangent`` Jacobian against the dual-number copies it replaces."""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tensegrity_ros.engine import from_unconstrained, make_engine, params_from_structure, to_unconstrained
+from tensegrity_ros.engine import tangent
+from tensegrity_ros.engine.nodal import prepare, reduce, step_reduced
+from tensegrity_ros.ident import RefineOptions, add_marker_noise
+from tensegrity_ros.ident.synthetic import actuated_pendulum, pendulum_drive, random_initial_state, simulate_dataset
+from tensegrity_ros.model import load_structure
+
+RF = importlib.import_module("tensegrity_ros.ident.refine")
+ROOT = Path(__file__).resolve().parents[1]
+MANIPULATOR = load_structure(ROOT / "config" / "models" / "stacked_manipulator.yaml")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.mark.parametrize("projection_iters", [0, 2])
+def test_rollout_tangents_are_the_engines_jacobian(projection_iters):
+    """Every direction at once: all 108 start-state coordinates and all 72 unconstrained parameters of the
+    manipulator (stiffness, damping, rest length, mass, spool radius, zero offset), over 6 steps with the
+    motors moving, equal to jacfwd through the engine's own step (the projection's chord terms included)."""
+    eng = make_engine(MANIPULATOR, projection_iters=projection_iters)
+    c = eng.constants
+    p = eng.default_params()
+    X, V = random_initial_state(MANIPULATOR, np.random.default_rng(3), pos_std=0.01, vel_std=0.2, params=p)
+    Q0, V0 = reduce(c, torch.as_tensor(X)[None]), reduce(c, torch.as_tensor(V)[None])
+    n_steps, h, A = 6, 7e-4, eng.topology.n_actuators
+    gen = torch.Generator().manual_seed(0)
+    u = 0.5 * torch.randn(n_steps, 1, A, generator=gen, dtype=torch.float64)
+    ud = 2.0 * torch.randn(n_steps, 1, A, generator=gen, dtype=torch.float64)
+    z0 = to_unconstrained(p)
+
+    def positions(x, z):
+        der = prepare(c, from_unconstrained(z, p))
+        q, v = x[:54].reshape(1, 3, 18), x[54:].reshape(1, 3, 18)
+        for k in range(n_steps):
+            q, v = step_reduced(c, der, q, v, u[k], ud[k], None, h, "semi_implicit", eng.options)
+        return q.reshape(-1)
+
+    x0 = torch.cat([Q0.reshape(-1), V0.reshape(-1)])
+    Jx, Jz = torch.func.jacfwd(positions, argnums=(0, 1))(x0, z0)          # (54, 108), (54, 72)
+
+    P = z0.numel()
+    dth = tangent.param_tangents(c, lambda z: from_unconstrained(z, p), z0)
+    eye = torch.eye(108, dtype=torch.float64)
+    S0 = torch.cat([torch.zeros(P, 108, dtype=torch.float64), eye])       # parameter directions first
+    Qs, S = tangent.rollout_tangents(c, prepare(c, p), dth, Q0, V0, S0[:, :54].reshape(1, -1, 3, 18),
+                                     S0[:, 54:].reshape(1, -1, 3, 18), u, ud, None, None, h, n_steps, eng.options,
+                                     torch.tensor([[float(n_steps)]], dtype=torch.float64))
+    torch.testing.assert_close(Qs[0, 0].reshape(-1), positions(x0, z0), rtol=0, atol=1e-14)
+    T = S[0, 0].reshape(P + 108, 54).T
+    torch.testing.assert_close(T[:, P:], Jx, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(T[:, :P], Jz, rtol=1e-9, atol=1e-11)
+    assert Jz.abs().max() > 1e-6 and Jx.abs().max() > 0.5                   # not trivially zero
+
+
+def test_stage2_tangent_jacobian_equals_dual_numbers():
+    """The refinement's Jacobian blocks (parameters, the motor delay, window starts) from the tangent model
+    equal the exact dual-number copies, on the actuated pendulum with noisy starts (so the start projection
+    and the delay's input tangent are exercised)."""
+    s = actuated_pendulum()
+    p = params_from_structure(s)
+    X0, V0 = random_initial_state(s, np.random.default_rng(0))
+    ds = simulate_dataset(s, p, X0, V0, dt=1e-3, steps=600, every=8, motor_fn=pendulum_drive, motor_delay_s=0.02)
+    ds = add_marker_noise(ds, 1e-3, np.random.default_rng(1))
+    opts = RefineOptions(kinds=("stiffness", "damping", "rest_length", "mass", "spool_radius"), window_s=0.1,
+                         max_windows=3, estimate_delay=True, delay_s=0.01, smooth_window_s=0.05)
+    prob = RF.RefineProblem(s, [ds], p, opts)
+    assert prob.jacobian_method() == "tangent"
+    w = prob.initial_w(0.01) + 0.1 * torch.randn(prob.n_w, generator=torch.Generator().manual_seed(2),
+                                                  dtype=torch.float64)
+    x0 = 0.5 * torch.randn(prob.B_win, 2, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    r1, Jw1, Je1 = prob.jacobian_blocks(w, x0, "tangent")
+    r2, Jw2, Je2 = prob.jacobian_blocks(w, x0, "forward_ad")
+    torch.testing.assert_close(r1, r2, rtol=0, atol=1e-13)
+    for J1, J2 in ((Jw1, Jw2), (Je1, Je2)):
+        assert J1.dtype == torch.float64
+        rel = (J1 - J2).norm(dim=(0, 1)) / J2.norm(dim=(0, 1)).clamp_min(1e-30)
+        assert float(rel.max()) < 1e-8, rel
+    assert float(Jw2[..., -1].abs().max()) > 1e-4                           # the delay column is live
+
+
+def test_auto_jacobian_falls_back_where_there_is_no_tangent_model():
+    assert tangent.supports(make_engine(MANIPULATOR))
+    assert not tangent.supports(make_engine(MANIPULATOR, integrator="rk4"))
+    assert not tangent.supports(make_engine(MANIPULATOR, baumgarte=(10.0, 10.0)))
+    spring_rod = load_structure(ROOT / "config" / "models" / "spring_rod.yaml")
+    assert not tangent.supports(make_engine(spring_rod, backend="spring_rod"))
+    with pytest.raises(ValueError, match="jacobian = 'exact'.*valid: auto, tangent, central"):
+        RefineOptions(jacobian="exact")
