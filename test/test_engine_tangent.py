@@ -49,7 +49,7 @@ def test_rollout_tangents_are_the_engines_jacobian(projection_iters):
     Jx, Jz = torch.func.jacfwd(positions, argnums=(0, 1))(x0, z0)          # (54, 108), (54, 72)
 
     P = z0.numel()
-    dth = tangent.param_tangents(c, lambda z: from_unconstrained(z, p), z0)
+    dth = tangent.param_tangents(c, lambda Z: from_unconstrained(Z, p), z0)
     eye = torch.eye(108, dtype=torch.float64)
     S0 = torch.cat([torch.zeros(P, 108, dtype=torch.float64), eye])       # parameter directions first
     Qs, S = tangent.rollout_tangents(c, prepare(c, p), dth, Q0, V0, S0[:, :54].reshape(1, -1, 3, 18),

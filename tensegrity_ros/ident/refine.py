@@ -751,7 +751,7 @@ class RefineProblem:
         with torch.no_grad():
             params = self.params_of(w)
             der = prepare(c, params)
-        dth = tangent.param_tangents(c, self.params_of, w)
+        dth = tangent.param_tangents(c, self._params_batched, w)
         with torch.no_grad():
             Q0, V0, SQ0, SV0 = self._start_tangents(params, dth, x0, n_w)
         inp = self._inputs(self.delay_of(w))
