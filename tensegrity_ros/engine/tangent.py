@@ -10,14 +10,16 @@ directions with batched matrix products:
 
     M_q Q'' = F(Q, V) + J(Q)^T lambda,   J(Q) Q'' = -|d'|^2            (nodal.py; J rows: d_b (x) C_b T)
     dQ'' = P M^-1 (dF + dJ^T lambda) - M^-1 J^T A^-1 (2 d'.dd' + dJ Q'')     P = I - M^-1 J^T A^-1 J
-    dF   = -sum_c g_c (kappa_c g_c + zeta_c h_c)^T dq - zeta_c g_c g_c^T dv - sum_s (t_s/xi_s)(c_s c_s^T) (x) (I - e_s e_s^T) dq
+    dF   = -sum_c g_c (kappa_c g_c + zeta_c h_c)^T dq - zeta_c g_c g_c^T dv
+           - sum_s (t_s/xi_s) (c_s c_s^T) (x) (I - e_s e_s^T) dq
     mass directions: dQ'' = P M^-1 (dF_gravity - dM_q Q'');   string directions: dF = -g_c dT_c
 
 (g_c = dL_c/dq the composite string's unit force pattern, h_c = dL'_c/dq, t_s, xi_s, e_s a segment's
-tension, length and unit vector, c_s its row of C_s T). The step is then differentiated as the engine
-takes it (semi-implicit Euler, then the chord Gauss-Newton projection with the step's A^-1). Terms
-proportional to the constraint violation left by one step (~h^2 |d'|^2, 1e-7 relative) are dropped;
-everything else is exact. The test compares with central differences of the engine itself.
+tension, length and unit vector, c_s its row of C_s T). The step is then differentiated exactly as the engine
+takes it: semi-implicit Euler, then the chord Gauss-Newton projection with the step's A^-1, including that
+matrix's dependence on the step-start state and on the masses. Without those terms the tangents drifted 1e-6
+per step; with them they equal jacfwd through the engine to round-off (test_engine_tangent.py). The step's
+maps compose into one transition matrix Phi (2n x 2n) and a parameter forcing Psi per window.
 
 Only the ``semi_implicit`` integrator without Baumgarte terms is covered (what identification uses);
 :func:`supports` says whether an engine is.
@@ -91,7 +93,7 @@ class _Linearised(NamedTuple):
     Av: torch.Tensor      # (B, n, n)  dQ''/dv
     Ap: torch.Tensor      # (B, n, P)  dQ''/dtheta (None when P = 0)
     a: torch.Tensor       # (B, 3, nf) the primal acceleration
-    Ainv: Optional[torch.Tensor]   # (B, nba, nba) the constraint matrix inverse at the start (the projection's chord)
+    Ainv: Optional[torch.Tensor]   # (B, nba, nba) the start's constraint matrix inverse (the projection's chord)
     d_t: Optional[torch.Tensor]    # (B, 3, nba) bar vectors at the step start
     Ainv_t: Optional[torch.Tensor]
 
@@ -163,8 +165,8 @@ def _linearise(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], Q,
         dMq = torch.einsum("bp,bij->pij", dth.mass, c.E_q)                 # (P, nf, nf)
         dFg = c.gravity.reshape(3, 1, 1) * (c.WqT.mT @ dth.mass).unsqueeze(0)   # (3, nf, P)
         P_ = dMq.shape[0]
-        Fp = Fp + dFg.reshape(1, n, -1) - (ca.a.to(tdt).reshape(B * 3, nf) @ dMq.permute(2, 1, 0).reshape(nf, nf * P_)
-                                           ).reshape(B, n, P_)
+        Ma = ca.a.to(tdt).reshape(B * 3, nf) @ dMq.permute(2, 1, 0).reshape(nf, nf * P_)   # dM_q Q''
+        Fp = Fp + dFg.reshape(1, n, -1) - Ma.reshape(B, n, P_)
     if ca.Ainv is None:
         _add_block_diag(K[..., :n], -geo, nf)
         MinvB = _block_diag3(Minv.expand(B, nf, nf), nf)
@@ -177,7 +179,8 @@ def _linearise(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], Q,
     Pi = -(MJA @ MJ.mT)                                                   # P M^-1 = M^-1 - M^-1 J^T A^-1 J M^-1
     _add_block_diag(Pi, Minv, nf)
     _add_block_diag(K[..., :n], (c.Cbt * lam.unsqueeze(-2)) @ c.Cb_q - geo, nf)   # + dJ^T lambda, - geometric
-    R = torch.cat([_kron_cols(ca.a.to(tdt) @ c.Cbt, c.Cbt), _kron_cols(2.0 * dd, c.Cbt)], -2)   # rows of dJ Q'', 2 d'.dd'
+    # rows of dJ Q'' and of 2 d' . dd'
+    R = torch.cat([_kron_cols(ca.a.to(tdt) @ c.Cbt, c.Cbt), _kron_cols(2.0 * dd, c.Cbt)], -2)
     PK = Pi @ (K if Fp is None else torch.cat([K, Fp], -1))
     PK[..., :2 * n] -= MJA @ R.mT
     return _Linearised(PK[..., :n], PK[..., n:2 * n], PK[..., 2 * n:] if Fp is not None else None, ca.a, ca.Ainv,
@@ -206,7 +209,8 @@ def _chord_terms(x: torch.Tensor, d: torch.Tensor, d0: torch.Tensor, c: NodalCon
     nf = c.Cbt.shape[0]
     Jt = _kron_cols(d, c.Cbt)
     AM = Ainv @ _kron_cols(d, der.Pt.mT).mT
-    K = _kron_cols((d0 * x.unsqueeze(-2)) @ der.Gc, c.Cbt) + _kron_cols(d0, (c.Cbt * x.unsqueeze(-2)) @ der.Gc)
+    K = (_kron_cols((d0 * x.unsqueeze(-2)) @ der.Gc, c.Cbt)
+         + _kron_cols(d0, (c.Cbt * x.unsqueeze(-2)) @ der.Gc))
     Bd = _block_diag3((c.Cbt * x.unsqueeze(-2)) @ der.Pt, nf)
     E = None
     if mt is not None:

@@ -92,7 +92,8 @@ class RefineOptions:
     optimizer: ``lbfgs`` | ``adam`` | ``gauss_newton`` (Levenberg-Marquardt on the multiple-shooting
         residuals, window starts eliminated by a Schur complement; ``jacobian`` = ``auto`` (``tangent``
         where the engine has a tangent-linear model, else ``central``), ``tangent``, ``central``, ``forward``
-        or ``forward_ad``, see :meth:`RefineProblem.jacobian_blocks`; ``lm_lambda`` its initial damping, ``lm_max_step`` its trust region: the largest
+        or ``forward_ad``, see :meth:`RefineProblem.jacobian_blocks`; ``lm_lambda`` its initial damping,
+        ``lm_max_step`` its trust region: the largest
         change of one parameter per iteration in scaled units, 0.1 in log for scale kinds, 1 cm for rest
         lengths); max_iter: iterations; lr: step (1 for L-BFGS, 0.05 for Adam by default);
         tolerance_grad / tolerance_change: L-BFGS stops; history_size: L-BFGS memory;
