@@ -44,8 +44,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--windows", type=int, default=16,
                         help="multiple-shooting windows, spread over the recording (cost grows linearly)")
     parser.add_argument("--longer-windows", action="append", default=[], metavar="SECONDS:COUNT:ITERS",
-                        help="then refine again on longer windows from that result, e.g. 0.3:24:3 (repeatable; "
-                             "long windows carry more information but need a start near the answer)")
+                        help="then refine again on longer windows from that result, e.g. 0.3:24:8 (repeatable; "
+                             "long windows carry more information but need a start near the answer; give them "
+                             "iterations enough to converge)")
     parser.add_argument("--noise-mm", type=float, default=1.0, help="marker noise of the recording, std [mm]")
     parser.add_argument("--prior-std", default="stiffness=0.2,damping=0.2,mass=0.2,rest_length=0.003",
                         help="the model file's uncertainty: Gaussian prior of stage 2 around it, per kind "

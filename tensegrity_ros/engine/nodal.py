@@ -178,7 +178,7 @@ def prepare(c: NodalConstants, p: Params) -> Derived:
 class StringState(NamedTuple):
     """Per composite string: length L (B, S) m, rate L' m/s, rest length xi0 m, xi0' m/s, stretch D m,
     rate D' m/s, stiffness kappa = EA/xi0 N/m, tension (B, S) N; per segment: unit vectors e (segment
-    vectors' layout)."""
+    vectors' layout), lengths xi (B, n_seg) m and their rates xi' m/s."""
 
     L: torch.Tensor
     Ldot: torch.Tensor
@@ -189,6 +189,8 @@ class StringState(NamedTuple):
     kappa: torch.Tensor
     tension: torch.Tensor
     e: torch.Tensor
+    xi: torch.Tensor
+    xidot: torch.Tensor
 
 
 def _act(Y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -234,7 +236,7 @@ def string_law(G: torch.Tensor, s: torch.Tensor, sdot: torch.Tensor, der: Derive
     kappa = der.EA / xi0
     tension = torch.where(D > 0, torch.relu(kappa * D + der.zeta * Ddot), torch.zeros_like(D))
     return StringState(L, Ldot, xi0, torch.zeros_like(xi0) if xi0dot is None else xi0dot, D, Ddot, kappa,
-                       tension, e)
+                       tension, e, xi, xidot)
 
 
 # =====================================================================================================
@@ -322,18 +324,34 @@ def accelerations(c: NodalConstants, der: Derived, Q, V, u, udot, fext, opts: Op
     return out.a, out.Ainv
 
 
-def project_positions_once(c: NodalConstants, der: Derived, Q, Ainv, fused: bool = False):
-    """One mass-weighted Gauss-Newton step of Q towards |d_b| = l_b with the (chord) matrix A^-1."""
+def project_positions_once(c: NodalConstants, der: Derived, Q, Ainv, fused: bool = False,
+                           with_multiplier: bool = False):
+    """One mass-weighted Gauss-Newton step of Q towards |d_b| = l_b with the (chord) matrix A^-1.
+    ``with_multiplier``: also the bar vectors d (B, 3, nba) it was taken at and y = A^-1 g (B, nba)."""
     d = _bars(c, Q, fused) + c.dcT
     g = 0.5 * ((d * d).sum(-2) - c.l2)
-    return Q - rmul(_solve(Ainv, g, fused) * d, der.Pt, fused=fused)
+    y = _solve(Ainv, g, fused)
+    Q = Q - rmul(y * d, der.Pt, fused=fused)
+    return (Q, d, y.squeeze(-2)) if with_multiplier else Q
 
 
-def project_velocities(c: NodalConstants, der: Derived, Q, V, Ainv, fused: bool = False):
-    """V projected onto d_b . d_b' = 0 at the positions Q (mass-weighted, chord matrix A^-1)."""
+def project_velocities(c: NodalConstants, der: Derived, Q, V, Ainv, fused: bool = False,
+                       with_multiplier: bool = False):
+    """V projected onto d_b . d_b' = 0 at the positions Q (mass-weighted, chord matrix A^-1).
+    ``with_multiplier``: also the bar vectors d (B, 3, nba) at Q and nu = A^-1 (d . d') (B, nba)."""
     d = _bars(c, Q, fused) + c.dcT
     nu = _solve(Ainv, (d * _bars(c, V, fused)).sum(-2), fused)
-    return V - rmul(nu * d, der.Pt, fused=fused)
+    V = V - rmul(nu * d, der.Pt, fused=fused)
+    return (V, d, nu.squeeze(-2)) if with_multiplier else V
+
+
+def chord_matrix_inverse(c: NodalConstants, der: Derived, Q) -> Optional[torch.Tensor]:
+    """A^-1 (B, nba, nba) of the bar constraints at the positions Q, as :meth:`NodalEngine.project` forms it
+    (None without bars)."""
+    if c.Cb_q.shape[0] == 0:
+        return None
+    d = Q @ c.Cbt + c.dcT
+    return spd_inverse(der.Gc * (d.mT @ d), "lapack")
 
 
 def project(c: NodalConstants, der: Derived, Q, V, Ainv, iters: int, fused: bool = False):
@@ -688,9 +706,7 @@ class NodalEngine:
         der = prepare(c, convert_like(params, state.positions))
         Q, V = reduce(c, state.positions), reduce(c, state.velocities)
         for _ in range(iters):
-            d = Q @ c.Cbt + c.dcT
-            Ainv = spd_inverse(der.Gc * (d.mT @ d), "lapack") if c.Cb_q.shape[0] else None
-            Q, V = project(c, der, Q, V, Ainv, 1)
+            Q, V = project(c, der, Q, V, chord_matrix_inverse(c, der, Q), 1)
         return State(expand(c, Q), expand_velocity(c, V))
 
     def bar_length_error(self, state: State) -> torch.Tensor:

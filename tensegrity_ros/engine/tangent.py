@@ -31,8 +31,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from ._common import convert_like
-from .nodal import (Derived, NodalConstants, Options, constrained_accelerations, generalized_forces,
-                    project_positions_once, project_velocities)
+from .nodal import (Derived, NodalConstants, Options, chord_matrix_inverse, constrained_accelerations,
+                    generalized_forces, project_positions_once, project_velocities)
 
 
 class ParamTangents(NamedTuple):
@@ -99,33 +99,33 @@ class _Linearised(NamedTuple):
 
 
 class _MassTangents(NamedTuple):
-    """Derivatives of M_q^-1-derived constants along the P directions: Pt (P, nba, nf), Gc (P, nba, nba)."""
+    """Derivatives of the mass-derived constants along the P directions (once per rollout): Mq (P, nf, nf),
+    the generalised weights Fg (3 nf, P), Pt (P, nba, nf), Gc (P, nba, nba)."""
 
+    Mq: torch.Tensor
+    Fg: torch.Tensor
     Pt: torch.Tensor
     Gc: torch.Tensor
 
 
 def _mass_tangents(c: NodalConstants, der: Derived, dth: ParamTangents) -> _MassTangents:
     dMq = torch.einsum("bp,bij->pij", dth.mass, c.E_q)
-    dMinv = -der.Minv @ dMq @ der.Minv
-    dPt = c.Cb_q @ dMinv
-    return _MassTangents(dPt, dPt @ c.Cbt)
+    dFg = c.gravity.reshape(3, 1, 1) * (c.WqT.mT @ dth.mass).unsqueeze(0)        # (3, nf, P)
+    dPt = c.Cb_q @ (-der.Minv @ dMq @ der.Minv)
+    return _MassTangents(dMq, dFg.reshape(-1, dMq.shape[0]), dPt, dPt @ c.Cbt)
 
 
-def _linearise(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], Q, V, u, ud, du, fq,
-               opts: Options, ct: NodalConstants, dert: Derived) -> _Linearised:
-    """The primal from (c, der) in the state's dtype; the matrices from (ct, dert, dth) in theirs."""
+def _linearise(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], mt: Optional[_MassTangents], Q, V,
+               u, ud, du, fq, opts: Options, ct: NodalConstants, dert: Derived) -> _Linearised:
+    """The primal from (c, der) in the state's dtype; the matrices from (ct, dert, dth, mt) in theirs."""
     B, _, nf = Q.shape
     n = 3 * nf
     F, st = generalized_forces(c, der, Q, V, u, ud, fq, with_strings=True)
     ca = constrained_accelerations(c, der, Q, V, F, opts)
     tdt = ct.T.dtype
-    # per segment: lengths, unit vectors, tensions; h_s = (I - e e^T) s' / xi (rate of e . s')
-    s = Q @ c.Cst + c.scT
-    xi = torch.linalg.vector_norm(s, dim=-2)                              # (B, ns)
-    e = st.e
-    sd = V @ c.Cst
-    hseg = ((sd - e * (e * sd).sum(-2, keepdim=True)) / xi.unsqueeze(-2)).to(tdt)
+    # per segment: h_s = (I - e e^T) s' / xi (the rate of e . s' with the segment's direction)
+    e, xi = st.e, st.xi
+    hseg = ((V @ c.Cst - e * st.xidot.unsqueeze(-2)) / xi.unsqueeze(-2)).to(tdt)
     w = (st.tension @ c.Gt / xi).to(tdt)                                  # segment tension / length
     act = (st.tension > 0).to(tdt)                                        # (B, S)
     e = e.to(tdt)
@@ -161,12 +161,9 @@ def _linearise(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], Q,
         dT = act.unsqueeze(-1) * ((D / xi0).unsqueeze(-1) * dth.EA + Dd.unsqueeze(-1) * dth.zeta
                                   - (EA * (D / xi0 + 1.0) / xi0).unsqueeze(-1) * dxi0
                                   - der.zeta.unsqueeze(-1) * dxi0d)      # (B, S, P)
-        Fp = -Gm @ dT
-        dMq = torch.einsum("bp,bij->pij", dth.mass, c.E_q)                 # (P, nf, nf)
-        dFg = c.gravity.reshape(3, 1, 1) * (c.WqT.mT @ dth.mass).unsqueeze(0)   # (3, nf, P)
-        P_ = dMq.shape[0]
-        Ma = ca.a.to(tdt).reshape(B * 3, nf) @ dMq.permute(2, 1, 0).reshape(nf, nf * P_)   # dM_q Q''
-        Fp = Fp + dFg.reshape(1, n, -1) - Ma.reshape(B, n, P_)
+        P_ = dT.shape[-1]
+        Ma = ca.a.to(tdt).reshape(B * 3, nf) @ mt.Mq.permute(2, 1, 0).reshape(nf, nf * P_)   # dM_q Q''
+        Fp = mt.Fg - Gm @ dT - Ma.reshape(B, n, P_)
     if ca.Ainv is None:
         _add_block_diag(K[..., :n], -geo, nf)
         MinvB = _block_diag3(Minv.expand(B, nf, nf), nf)
@@ -189,44 +186,49 @@ def _linearise(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], Q,
 
 def _block_diag3(M: torch.Tensor, nf: int) -> torch.Tensor:
     """I_3 (x) M: (B, 3 nf, 3 nf) from M (B, nf, nf)."""
-    out = M.new_zeros(M.shape[0], 3, nf, 3, nf)
-    for k in range(3):
-        out[:, k, :, k, :] = M
-    return out.reshape(M.shape[0], 3 * nf, 3 * nf)
+    out = M.new_zeros(M.shape[0], 3 * nf, 3 * nf)
+    _add_block_diag(out, M, nf)
+    return out
 
 
-def _chord_terms(x: torch.Tensor, d: torch.Tensor, d0: torch.Tensor, c: NodalConstants, der: Derived,
-                 mt: Optional[_MassTangents], Ainv: torch.Tensor):
-    """Row-form pieces of the tangent of one chord correction Y - M^-1 J(Q)^T x, x = A0^-1 (violation),
-    with J at the bar vectors d and A0 = G_c o (d0^T d0) from the step start:
+def _chord_maps(x: torch.Tensor, d: torch.Tensor, d0: torch.Tensor, c: NodalConstants, der: Derived,
+                mt: Optional[_MassTangents], Ainv: torch.Tensor, Vb: Optional[torch.Tensor] = None):
+    """Row-form tangent maps of one chord correction Y' = Y - M^-1 J(Q)^T x, x = A0^-1 viol, with J at the bar
+    vectors d and A0 = G_c o (d0^T d0) formed at the step start (Q0):
 
-        dY' = dY - (dviol - dA0 x) A0^-1 (M^-1 J^T)^T - dQ (I_3 (x) C_b^T diag(x) Pt) - [mass: x d (x) dPt]
+        dY' = dY T + dQ W + dQ0 U (+ E for the P mass directions)
+        positions: Y = Q, viol = g(Q) (dviol = J dQ; then dQ' = dQ (T + W) + ...);
+        velocities: Y = V, viol = J(Q) V (Vb = V C_b^T: dviol = J dV + dJ V, the dQ part going into W)
         (dA0 x)_b = dd0_b . sum_g Gc_bg x_g d0_g + d0_b . sum_g Gc_bg x_g dd0_g (+ dGc along mass directions)
 
-    Returns AM = A0^-1 (M^-1 J^T)^T (B, nba, n), Jt = J^T (B, n, nba), the start-tangent map U = K AM (B, n, n)
-    (dA0 x = dQ0 K), Bd = I_3 (x) C_b^T diag(x) Pt (B, n, n) and the mass-direction rows E (B, P, n) or None."""
+    T = I - J^T AM (AM = A0^-1 (M^-1 J^T)^T), W = -(I_3 (x) C_b^T diag(x) Pt) [- dJ(V)^T AM],
+    U = K AM with dA0 x = dQ0 K; E (B, P, n) or None."""
     B, _, nba = d.shape
     nf = c.Cbt.shape[0]
-    Jt = _kron_cols(d, c.Cbt)
+    n = 3 * nf
     AM = Ainv @ _kron_cols(d, der.Pt.mT).mT
+    T = -(_kron_cols(d, c.Cbt) @ AM)
+    T.diagonal(dim1=-2, dim2=-1).add_(1.0)
+    W = -_block_diag3((c.Cbt * x.unsqueeze(-2)) @ der.Pt, nf)
+    if Vb is not None:
+        W -= _kron_cols(Vb, c.Cbt) @ AM
     K = (_kron_cols((d0 * x.unsqueeze(-2)) @ der.Gc, c.Cbt)
          + _kron_cols(d0, (c.Cbt * x.unsqueeze(-2)) @ der.Gc))
-    Bd = _block_diag3((c.Cbt * x.unsqueeze(-2)) @ der.Pt, nf)
     E = None
     if mt is not None:
         P = mt.Gc.shape[0]
         Y = (d0.mT @ d0) * x.unsqueeze(-2)                                # (B, nba, nba)
         mGc = (Y.transpose(0, 1) @ mt.Gc.permute(1, 2, 0)).permute(1, 2, 0)      # sum_g dGc_pbg Y_bg
         dP = ((d * x.unsqueeze(-2)).reshape(B * 3, nba) @ mt.Pt.transpose(0, 1).reshape(nba, P * nf))
-        E = mGc @ AM - dP.reshape(B, 3, P, nf).transpose(1, 2).reshape(B, P, 3 * nf)
-    return AM, Jt, K @ AM, Bd, E
+        E = mGc @ AM - dP.reshape(B, 3, P, nf).transpose(1, 2).reshape(B, P, n)
+    return T, W, K @ AM, E
 
 
 def _step(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], mt: Optional[_MassTangents], Q, V,
           u, ud, du, fq, h: float, opts: Options, ct: NodalConstants, dert: Derived):
     """One engine step and its tangent map in row form: [dQ1 dV1] = [dQ dV] Phi (+ Psi for the P parameter
     directions). Returns Q1, V1 (primal dtype), Phi (B, 2n, 2n), Psi (B, P, 2n) or None (ct's dtype)."""
-    lin = _linearise(c, der, dth, Q, V, u, ud, du, fq, opts, ct, dert)
+    lin = _linearise(c, der, dth, mt, Q, V, u, ud, du, fq, opts, ct, dert)
     B, _, nf = Q.shape
     n = 3 * nf
     tdt = ct.T.dtype
@@ -248,25 +250,21 @@ def _step(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], mt: Opt
     if lin.Ainv is not None and opts.projection_iters > 0:
         Ainv, d0, Ainv_t = lin.Ainv, lin.d_t, lin.Ainv_t
         for _ in range(opts.projection_iters):
-            d = Q @ c.Cbt + c.dcT
-            y = (Ainv @ (0.5 * ((d * d).sum(-2) - c.l2)).unsqueeze(-1)).squeeze(-1)
-            AM, Jt, U, Bd, E = _chord_terms(y.to(tdt), d.to(tdt), d0, ct, dert, mt, Ainv_t)
-            T = eye - Jt @ AM - Bd
+            Q, d, y = project_positions_once(c, der, Q, Ainv, with_multiplier=True)
+            T, W, U, E = _chord_maps(y.to(tdt), d.to(tdt), d0, ct, dert, mt, Ainv_t)
+            T = T + W                                                     # Y = Q
             Phi[:, :, :n] = Phi[:, :, :n] @ T
             Phi[:, :n, :n] += U
             if Psi is not None:
                 Psi[..., :n] = Psi[..., :n] @ T + E
-            Q = project_positions_once(c, der, Q, Ainv)
-        d = Q @ c.Cbt + c.dcT
-        nu = (Ainv @ (d * (V @ c.Cbt)).sum(-2).unsqueeze(-1)).squeeze(-1)
-        AM, Jt, U, Bd, E = _chord_terms(nu.to(tdt), d.to(tdt), d0, ct, dert, mt, Ainv_t)
-        # [Wv; Tv]: V1's map through J(Q) (in J V and in M^-1 J^T nu) and through V1 itself
-        WT = torch.cat([-(_kron_cols((V @ c.Cbt).to(tdt), ct.Cbt) @ AM + Bd), eye - Jt @ AM], -2)
+        Vb = (V @ c.Cbt).to(tdt)
+        V, d, nu = project_velocities(c, der, Q, V, Ainv, with_multiplier=True)
+        T, W, U, E = _chord_maps(nu.to(tdt), d.to(tdt), d0, ct, dert, mt, Ainv_t, Vb)
+        WT = torch.cat([W, T], -2)                                        # rows: from Q's, from V's tangent
         Phi[:, :, n:] = Phi @ WT
         Phi[:, :n, n:] += U
         if Psi is not None:
             Psi[..., n:] = Psi @ WT + E
-        V = project_velocities(c, der, Q, V, Ainv)
     return Q, V, Phi, Psi
 
 
@@ -275,29 +273,25 @@ def project_with_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTa
     """:meth:`NodalEngine.project` (``iters`` times: A formed at the positions, one position step, then the
     velocities) with its exact tangent. Q, V (B, 3, nf); SQ, SV (B, C, 3, nf), the first P directions those
     of ``dth``. Returns Q, V, SQ, SV."""
-    from .nodal import _bar_matrix, project, spd_inverse
     B, C, _, nf = SQ.shape
     n = 3 * nf
     P = 0 if dth is None else dth.EA.shape[-1]
     mt = _mass_tangents(c, der, dth) if P else None
     Sq, Sv = SQ.reshape(B, C, n), SV.reshape(B, C, n)
-    eye = torch.eye(n, dtype=Q.dtype, device=Q.device)
     for _ in range(iters if c.Cb_q.shape[0] else 0):
-        d0 = Q @ c.Cbt + c.dcT
-        Ainv = spd_inverse(_bar_matrix(der, d0, False), "lapack")
-        y = (Ainv @ (0.5 * ((d0 * d0).sum(-2) - c.l2)).unsqueeze(-1)).squeeze(-1)
-        AM, Jt, U, Bd, E = _chord_terms(y, d0, d0, c, der, mt, Ainv)
-        Sq_new = Sq @ (eye - Jt @ AM - Bd + U)                            # A formed here: dA0 uses Sq itself
+        Ainv = chord_matrix_inverse(c, der, Q)
+        Q1, d0, y = project_positions_once(c, der, Q, Ainv, with_multiplier=True)
+        T, W, U, E = _chord_maps(y, d0, d0, c, der, mt, Ainv)
+        Sq_new = Sq @ (T + W + U)                                         # A formed here: dA0 uses Sq itself
         if E is not None:
             Sq_new[:, :P] += E
-        Q1, V1 = project(c, der, Q, V, Ainv, 1)
-        d = Q1 @ c.Cbt + c.dcT
-        nu = (Ainv @ (d * (V @ c.Cbt)).sum(-2).unsqueeze(-1)).squeeze(-1)
-        AM, Jt, U, Bd, E = _chord_terms(nu, d, d0, c, der, mt, Ainv)
-        Sv = Sv @ (eye - Jt @ AM) - Sq_new @ (_kron_cols(V @ c.Cbt, c.Cbt) @ AM + Bd) + Sq @ U
+        Vb = V @ c.Cbt
+        V, d, nu = project_velocities(c, der, Q1, V, Ainv, with_multiplier=True)
+        T, W, U, E = _chord_maps(nu, d, d0, c, der, mt, Ainv, Vb)
+        Sv = Sv @ T + Sq_new @ W + Sq @ U
         if E is not None:
             Sv[:, :P] += E
-        Q, V, Sq = Q1, V1, Sq_new
+        Q, Sq = Q1, Sq_new
     return Q, V, Sq.reshape(B, C, 3, nf), Sv.reshape(B, C, 3, nf)
 
 
@@ -342,7 +336,7 @@ def rollout_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangent
             outQ.index_put_((bi, hi), ww * Q[bi], accumulate=True)
             outS.index_put_((bi, hi), ww.to(tdt) * S[bi], accumulate=True)
 
-    mt = _mass_tangents(ct, dert, dth) if P and c.Cb_q.shape[0] else None
+    mt = _mass_tangents(ct, dert, dth) if P else None
     Q, V = Q0, V0
     S = torch.cat([SQ0.reshape(B, C, n), SV0.reshape(B, C, n)], -1).to(tdt)   # (B, C, 2n)
     record(0, Q, S[..., :n])

@@ -55,6 +55,8 @@ LOG_UNIT = 0.1
 REST_UNIT_M = 0.01
 X0_UNIT_M = 1e-3
 V0_UNIT_MPS = 1e-2
+#: projections of each measured window start onto the bar lengths (A re-formed each time)
+START_PROJECTION_ITERS = 2
 #: relative singular-value cut of a window's initial-state Jacobian. Measured window starts are projected onto
 #: the bar lengths, and the stiff bar-end modes (~90 Hz on the manipulator) are barely seen at 120 Hz, so that
 #: block has directions 1e-8 and below the largest. A plain inverse turns them into metre-sized "steps" that
@@ -585,20 +587,6 @@ class RefineProblem:
             V0 = V0 + Sx @ (xx[..., 3:] * V0_UNIT_MPS)
         return X0, V0
 
-    def start_states(self, params: Params, x0: Optional[torch.Tensor], copies: int = 1):
-        """The windows' start states: measured, plus the offsets x0, projected onto the bar lengths.
-
-        copies = 1: params unbatched, x0 (B, nf, 6) or None -> State (B, N, 3);
-        copies = C > 1: params batched (C,), x0 (C, B, nf, 6) or None -> State (C*B, N, 3)."""
-        C, B = copies, self.B_win
-        if C > 1:
-            params = params.map(lambda t: t.reshape(C, 1, *t.shape[1:]).expand(C, B, *t.shape[1:])
-                                .reshape(C * B, *t.shape[1:]))
-        st = self.engine.initial_state(*self._offset_starts(x0, C))
-        if hasattr(self.engine, "project"):
-            st = self.engine.project(params, st, iters=2)
-        return st, params
-
     def simulate(self, params: Params, delay: torch.Tensor, x0: Optional[torch.Tensor], copies: int = 1):
         """Predicted observed-node positions and the final full states.
 
@@ -607,7 +595,12 @@ class RefineProblem:
         (all copies run as one engine batch of C*B windows; used for forward-mode Jacobians).
         """
         C, B = copies, self.B_win
-        st, params = self.start_states(params, x0, C)
+        if C > 1:
+            params = params.map(lambda t: t.reshape(C, 1, *t.shape[1:]).expand(C, B, *t.shape[1:])
+                                .reshape(C * B, *t.shape[1:]))
+        st = self.engine.initial_state(*self._offset_starts(x0, C))
+        if hasattr(self.engine, "project"):
+            st = self.engine.project(params, st, iters=START_PROJECTION_ITERS)
         inp = self._inputs(delay, C)
         n = self.n_steps
         out = self.engine.rollout(params, st, inp, dt=self.sim_dt, steps=None if inp is not None else n)
@@ -682,6 +675,9 @@ class RefineProblem:
         n_w = w.numel()
         nf = len(self.top.free_nodes)
         ne = 6 * nf if x0 is not None else 0
+        if method == "tangent":
+            r, T = self._tangent_jacobian(w.detach(), None if x0 is None else x0.detach())
+            return r, T[..., :n_w], (T[..., n_w:] if ne else None)
         C = n_w + ne
         B = self.B_win
         eye = torch.eye(C, dtype=self.dtype, device=self.device)
@@ -705,8 +701,6 @@ class RefineProblem:
                 out = self._batched(W2, X2).reshape(C + 1, B, -1)
             r = out[0]
             T = (out[1:] - out[:1]) / h
-        elif method == "tangent":
-            r, T = self._tangent_jacobian(w, None if x0 is None else x0.detach())
         elif method == "central":
             h = 1e-5
             W2 = torch.cat([Wb + h * eye[:, :n_w], Wb - h * eye[:, :n_w]])
@@ -717,16 +711,15 @@ class RefineProblem:
             T = (out[0] - out[1]) / (2 * h)
         else:
             raise ValueError(f"unknown jacobian method {method!r} (valid: {', '.join(JACOBIANS)})")
-        if method != "tangent":
-            T = T.permute(1, 2, 0)                                                  # (B, R, C)
+        T = T.permute(1, 2, 0)                                                      # (B, R, C)
         return r.detach(), T[..., :n_w].detach(), (T[..., n_w:].detach() if ne else None)
 
-    def _start_tangents(self, params: Params, dth, x0: Optional[torch.Tensor], n_w: int):
-        """Reduced start states Q0, V0 (B, 3, nf) (as :meth:`start_states`) and their tangents (B, C, 3, nf)
+    def _start_tangents(self, der, dth, x0: Optional[torch.Tensor], n_w: int):
+        """Reduced start states Q0, V0 (B, 3, nf) (as :meth:`simulate` starts) and their tangents (B, C, 3, nf)
         along the columns of :meth:`jacobian_blocks`: zero for the n_w parameter columns before the start
-        projection, one unit of x0 for the others."""
+        projection, one unit of x0 for the others. der: the engine's per-params quantities at w."""
         from ..engine import tangent
-        from ..engine.nodal import prepare, reduce
+        from ..engine.nodal import reduce
         B, nf = self.B_win, len(self.top.free_nodes)
         c = self.engine.constants
         st = self.engine.initial_state(*self._offset_starts(x0))
@@ -740,7 +733,7 @@ class RefineProblem:
             for m in range(3):
                 SQ[:, cols + m, m, k] = X0_UNIT_M
                 SV[:, cols + 3 + m, m, k] = V0_UNIT_MPS
-        Q, V, SQ, SV = tangent.project_with_tangents(c, prepare(c, params), dth, Q, V, SQ, SV, iters=2)
+        Q, V, SQ, SV = tangent.project_with_tangents(c, der, dth, Q, V, SQ, SV, iters=START_PROJECTION_ITERS)
         return Q, V, SQ, SV
 
     def _tangent_jacobian(self, w: torch.Tensor, x0: Optional[torch.Tensor]):
@@ -750,11 +743,10 @@ class RefineProblem:
         from ..engine.nodal import prepare
         c, B, n_w = self.engine.constants, self.B_win, w.numel()
         with torch.no_grad():
-            params = self.params_of(w)
-            der = prepare(c, params)
+            der = prepare(c, self.params_of(w))
         dth = tangent.param_tangents(c, self._params_batched, w)
         with torch.no_grad():
-            Q0, V0, SQ0, SV0 = self._start_tangents(params, dth, x0, n_w)
+            Q0, V0, SQ0, SV0 = self._start_tangents(der, dth, x0, n_w)
         inp = self._inputs(self.delay_of(w))
         u = ud = du = fq = None
         if inp is not None:
