@@ -372,13 +372,38 @@ def _median_by_kind(errors: Dict[str, float], kinds: Sequence[str]) -> Dict[str,
     return {k: float(np.median([v for n, v in errors.items() if n.endswith(k)])) for k in kinds}
 
 
-def manipulator(quick: bool, seed: int = 0) -> Dict[str, Any]:
+#: Seeds of the manipulator runs: each draws its own marker noise, missing frames and prior offsets. The full
+#: bench runs them all and its headline is the worst seed's median error; a single seed hid that seed 2 (prior
+#: stiffnesses 21 % off) stalled at 5.3 % under the earlier uniformly scaled trust-region step.
+MANIPULATOR_SEEDS = (0, 1, 2)
+
+
+def manipulator(quick: bool) -> Dict[str, Any]:
+    """The manipulator identification (seed 0; in full mode every seed of MANIPULATOR_SEEDS): seed 0's record in
+    full, plus per seed its median error, by kind, and wall time; ``worst_seed_*``: the headline figures."""
+    runs = [manipulator_run(quick, seed, record=seed == MANIPULATOR_SEEDS[0])
+            for seed in (MANIPULATOR_SEEDS[:1] if quick else MANIPULATOR_SEEDS)]
+    out = dict(runs[0])
+    out["seeds"] = [{"seed": seed, "ok": r["ok"], "median_error_pct": r["median_error_pct"],
+                     "median_error_pct_by_kind": r["median_error_pct_by_kind"], "wall_s": r["wall_s"],
+                     "residual_rms_mm": r["residual_rms_mm"]} for seed, r in zip(MANIPULATOR_SEEDS, runs)]
+    out["worst_seed_median_error_pct"] = max(r["median_error_pct"] for r in runs)
+    out["worst_seed_wall_s"] = max(r["wall_s"] for r in runs)
+    if len(runs) > 1:
+        _log(f"  over {len(runs)} seeds: median error " + ", ".join(f"{r['median_error_pct']:.3g} %" for r in runs) +
+             f" (worst {out['worst_seed_median_error_pct']:.3g} %, target < 2 %); wall " +
+             ", ".join(f"{r['wall_s']:.0f} s" for r in runs))
+    return out
+
+
+def manipulator_run(quick: bool, seed: int = 0, record: bool = True) -> Dict[str, Any]:
+    """One manipulator identification; ``record`` adds stage 1 alone and the Cramer-Rao bound (full mode)."""
     t0 = time.perf_counter()
     s, noisy, prior, true, total = manipulator_problem(seed=seed)
     t_gt = time.perf_counter() - t0
     kinds = ("mass", "stiffness", "damping", "rest_length")
     out: Dict[str, Any] = {"ground_truth_seconds": t_gt}
-    if not quick:
+    if record and not quick:
         # stage 1 alone, for the record: errors in variables (1 mm noise through 20 kN/m strings) bias it badly
         t1 = time.perf_counter()
         r1 = identify(s, noisy, prior=prior, stages=("regression",), options=IdentifyOptions(
@@ -419,10 +444,10 @@ def manipulator(quick: bool, seed: int = 0) -> Dict[str, Any]:
                              "longer_windows": [list(x) for x in longer], "stages": ["refine"],
                              "prior_std": prior_std},
                 "notes": res.notes[-4:]})
-    if not quick:
+    if record and not quick:
         out["cramer_rao"] = manipulator_bound(s, noisy, true, total)
-    _log("\nStacked manipulator: 14 s twin data, 1 mm marker noise, 5 % frames missing, prior ~20 % off "
-         "(k, c, m) and ~3 mm (rest lengths); scale anchored on the weighed total mass")
+    _log(f"\nStacked manipulator, seed {seed}: 14 s twin data, 1 mm marker noise, 5 % frames missing, prior ~20 % "
+         "off (k, c, m) and ~3 mm (rest lengths); scale anchored on the weighed total mass")
     _log(f"  {'ok' if res.ok else 'FAILED: ' + str(res.error)}; median error {out['median_error_pct']:.3g} % "
          f"(prior {out['prior_median_error_pct']:.3g} %), by kind " +
          ", ".join(f"{k} {v:.3g} %" for k, v in by_kind.items()) +

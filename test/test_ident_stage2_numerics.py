@@ -1,6 +1,6 @@
 """Stage-2 numerics that decide whether multiple shooting converges on stiff, damped structures: the
-integration step bound with damping, the initial-state block's truncated inverse, the prior centre, and the
-gate on a far-off stage-1 start."""
+integration step bound with damping, the initial-state block's truncated inverse, the trust region, the prior
+centre, and the gate on a far-off stage-1 start."""
 from __future__ import annotations
 
 import importlib
@@ -67,6 +67,16 @@ def pendulum():
     X0, V0 = random_initial_state(s, np.random.default_rng(1), params=true)
     ds = simulate_dataset(s, true, X0, V0, dt=2e-3, steps=300, every=5, motor_fn=pendulum_drive)
     return s, true, ds
+
+
+def test_trust_region_clips_each_parameter_on_its_own():
+    # one weakly determined parameter asks for 15 units: it is clipped to the bound, the others keep their
+    # Gauss-Newton step (a uniformly scaled step would cut them to 2/15), and the trailing delay is untouched
+    dw = torch.tensor([0.5, -15.0, 1.2, -0.3, 7.0], dtype=torch.float64)
+    out = RF.limit_step(dw, 4, 2.0)
+    assert out.tolist() == [0.5, -2.0, 1.2, -0.3, 7.0]
+    assert RF.limit_step(dw[:1], 1, 2.0).tolist() == [0.5]
+    assert RF.limit_step(dw, 0, 2.0).tolist() == dw.tolist()
 
 
 def test_prior_center_holds_a_parameter_the_data_barely_see(pendulum):

@@ -959,6 +959,22 @@ def _truncated_inverse(A: torch.Tensor, rtol: float) -> torch.Tensor:
     return (V * inv.unsqueeze(-2)) @ V.mT
 
 
+def limit_step(dw: torch.Tensor, n_params: int, max_step: float) -> torch.Tensor:
+    """Levenberg-Marquardt's trust region: each of the first ``n_params`` entries of ``dw`` (scaled units)
+    clipped to +-max_step, the rest (the delay) untouched.
+
+    A Gauss-Newton step from far away (20 % off on the manipulator) asked for 16x stiffness changes; accepted
+    (the loss fell), they led where the rollout is barely stable, and the fit crawled. Each parameter is
+    clipped on its own: scaling the whole step instead let one weakly determined parameter that asked for
+    10-19 units shrink every other step five- to tenfold (manipulator, seed 2: loss 203 after 8 iterations on
+    0.1-s windows, stiffnesses where they started; clipped: 2.9 after 6). The window starts then follow the
+    clipped step through their own normal equations.
+    """
+    if n_params == 0 or float(dw[:n_params].abs().max()) <= max_step:
+        return dw
+    return torch.cat([dw[:n_params].clamp(-max_step, max_step), dw[n_params:]])
+
+
 def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torch.Tensor], opts: RefineOptions,
                          counters: Dict[str, int], update_best: Callable[[float], None],
                          record: Callable[[float], None], notes: List[str]) -> bool:
@@ -1025,12 +1041,7 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
             except RuntimeError:
                 lam *= 10.0
                 continue
-            # trust region: no parameter moves more than lm_max_step units per iteration. A Gauss-Newton step
-            # from far away (20 % off on the manipulator) asked for 16x stiffness changes; the LM accepted
-            # them (the loss fell) into a region where the rollout is barely stable and then crawled.
-            big = float(dw[:nb].abs().max()) if nb else 0.0
-            if big > opts.lm_max_step:
-                dw = dw * (opts.lm_max_step / big)
+            dw = limit_step(dw, nb, opts.lm_max_step)
             w_new = w.detach() + dw
             x_new = None
             if Je is not None:
