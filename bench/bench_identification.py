@@ -415,11 +415,12 @@ def manipulator_run(quick: bool, seed: int = 0, record: bool = True) -> Dict[str
              f"{out['stage1_only']['seconds']:.1f} s (biased by the marker noise; stage 2 starts from the prior)")
     # the nominal model's declared uncertainty is the prior (MAP): ~20 % on k, c, m, 3 mm on rest lengths
     prior_std = {"stiffness": 0.2, "damping": 0.2, "mass": 0.2, "rest_length": 0.003}
-    # continuation: 0.1-s windows from the prior (nearly convex), then 0.3-s windows from that result (far more
-    # information per window, see manipulator_bound; from the prior they stalled in a local minimum, loss 74 vs 3).
-    # The long windows are run to convergence: their valley is flat, and stopping after 3 iterations gave 1.9 %
-    # median error where the converged fit (loss constant to 1e-3 from iteration 6) gives 3.0 %.
-    longer = ((0.3, 8 if quick else 24, 2 if quick else 8),)
+    # continuation: 0.1-s windows from the prior (nearly convex), then ever longer windows, each stage from the
+    # result before (far more information per window, see manipulator_bound; 0.3-s windows straight from the
+    # prior stalled in a local minimum, loss 74 vs 3). Seed 2 shows why the ladder: 0.1 -> 0.3 s ended at 5.4 %,
+    # 0.1 -> 0.2 -> 0.3 s at 2.7 %, and the 0.5-s and 1.0-s stages then see the dampings (and through them the
+    # masses) that short windows cannot: 1.3 % (docs/identification.md, section 5).
+    longer = ((0.2, 6, 2), (0.5, 4, 2), (1.0, 4, 2)) if quick else ((0.2, 12, 3), (0.5, 8, 3), (1.0, 8, 3))
     opts = IdentifyOptions(estimate=kinds, refine_kinds=kinds, total_mass=total, window_s=0.1,
                            max_windows=12 if quick else 24, max_iter=8, smooth_window_s=0.05,
                            longer_windows=longer, covariance_windows=4 if quick else 12,

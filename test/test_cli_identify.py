@@ -156,3 +156,12 @@ def test_bad_longer_windows_flag_fails_before_reading_the_bag(tmp_path, capsys, 
                "--longer-windows", spec])
     assert rc == 2 and not out.exists()
     assert "--longer-windows" in capsys.readouterr().err
+
+
+def test_longer_windows_default_to_the_ladder_and_none_turns_it_off():
+    from tensegrity_ros.commands.identify import DEFAULT_LADDER, _ladder
+    assert _ladder(None) == tuple(tuple(float(v) if i == 0 else int(v) for i, v in enumerate(x.split(":")))
+                                  for x in DEFAULT_LADDER)
+    assert [ws for ws, _, _ in _ladder(None)] == sorted(ws for ws, _, _ in _ladder(None))   # ever longer
+    assert _ladder(["none"]) == ()
+    assert _ladder(["0.3:24:8"]) == ((0.3, 24, 8),)

@@ -52,3 +52,20 @@ def test_lbfgs_and_adam_decrease_the_loss(pendulum_data):
         losses = [h["loss"] for h in r.history]
         assert min(losses) < 0.5 * losses[0], opt
         assert abs(float(r.params.named()["s3.rest_length"]) - 1.085) < abs(1.075 - 1.085), opt
+
+
+def test_chord_steps_reach_the_same_fit_with_no_more_jacobians(pendulum_data):
+    """Levenberg-Marquardt's chord steps (fresh residuals, the same normal equations: one rollout instead of a
+    Jacobian) only keep steps that lower the loss, so the fit is the one plain LM finds, for fewer Jacobians."""
+    s, nominal, true, ds = pendulum_data
+    fits = {}
+    for chord in (0, 4):
+        fits[chord] = refine(s, ds, nominal, RefineOptions(kinds=("rest_length", "spool_radius"), estimate_delay=True,
+                                                           window_s=0.3, max_iter=30, lm_chord_steps=chord))
+    plain, chord = fits[0], fits[4]
+    for n in ("s3.rest_length", "m1.spool_radius", "m2.spool_radius"):
+        assert float(chord.params.named()[n]) == pytest.approx(float(true.named()[n]), rel=1e-2)
+    assert chord.delay_s == pytest.approx(0.02, abs=1e-3)
+    assert chord.residual_rms_m < 1e-4 and plain.residual_rms_m < 1e-4
+    assert chord.iterations <= plain.iterations                  # Jacobians
+    assert chord.evaluations > chord.iterations + 1              # chord steps were taken and kept

@@ -57,9 +57,9 @@ class IdentifyOptions:
         Gaussian prior stays centred where it was). Short windows are nearly convex from a start ~20 % off;
         long ones carry far more information per window (their start states cost the same 6 nf unknowns),
         but from such a start they stall in local minima. Measured on the manipulator (60 parameters, 1 mm
-        noise): 0.3-s windows from the prior stalled at a loss of 74 (noise floor 3); after 0.1-s windows
-        the loss stopped falling after 6-8 iterations; median error 5.5 % -> 1.1 % (8 + 8 iterations), but
-        3.0 % after 6 + 10: the converged fit depends on where the short windows end (docs/identification.md).
+        noise): 0.3-s windows from the prior stalled at a loss of 74 (noise floor 3). Straight from 0.1-s to
+        0.3-s windows one of three seeds stayed in a worse basin (5.4 %); with a 0.2-s stage between them
+        (``((0.2, 24, 4), (0.3, 24, 6))``) the three seeds end at 2.0-2.7 % (docs/identification.md).
     stage2_start: ``auto`` (stage 2 starts from the stage-1 result or the prior, whichever predicts the
         data better, and from the prior whenever stage 1 moved a mass, stiffness or damping by more than
         ``stage1_max_factor``), ``stage1`` or ``prior``.

@@ -97,7 +97,10 @@ class RefineOptions:
         or ``forward_ad``, see :meth:`RefineProblem.jacobian_blocks`; ``lm_lambda`` its initial damping,
         ``lm_max_step`` its trust region: the largest
         change of one parameter per iteration in scaled units, 0.1 in log for scale kinds, 1 cm for rest
-        lengths); max_iter: iterations; lr: step (1 for L-BFGS, 0.05 for Adam by default);
+        lengths); ``lm_chord_steps``: after each accepted step, up to this many further steps from the same
+        normal equations with fresh residuals (one rollout each instead of a Jacobian; each kept only if it
+        lowers the loss, and the run stops once one gains less than half of the step before); max_iter:
+        iterations; lr: step (1 for L-BFGS, 0.05 for Adam by default);
         tolerance_grad / tolerance_change: L-BFGS stops; history_size: L-BFGS memory;
         stall_evaluations / stall_tolerance / stall_chi2: stop (converged) after this many evaluations
         without an improvement of the best loss by more than stall_tolerance (relative) and more than a
@@ -140,6 +143,7 @@ class RefineOptions:
     jacobian: str = "auto"
     lm_lambda: float = 1e-3
     lm_max_step: float = 2.0
+    lm_chord_steps: int = 4
     derivative_method: str = "auto"
     smooth_window_s: Optional[float] = None
     device: Optional[str] = None
@@ -982,7 +986,8 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
 
     Normal equations with the window starts eliminated (Schur complement, block-diagonal in windows):
         S dw = -(g_w - sum_k H_we,k H_ee,k^-1 g_e,k),   dx0_k = -H_ee,k^-1 (g_e,k + H_ew,k dw)
-    with Marquardt damping lambda diag(H). Returns True when converged (the loss stopped decreasing by
+    with Marquardt damping lambda diag(H). After each accepted step up to ``lm_chord_steps`` chord steps reuse
+    the factorised equations with fresh residuals (a rollout each, not a Jacobian). Returns True when converged (the loss stopped decreasing by
     more than ``stall_tolerance`` (relative) or a chi^2 of ``stall_chi2 * 1e-2``).
     """
     sig2 = opts.noise_std_m ** 2
@@ -993,16 +998,42 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
     has_prior = bool((prob.prior_prec > 0).any())
 
     def f_of(wv, xv):
+        """(loss, residuals (B, R)) at wv, xv."""
         with torch.no_grad():
             r = prob.residuals(wv, xv)
             f = float((r * r).sum())
             if has_prior:
                 dz = KB @ wv[:nb] + prob.prior_offset
                 f += sig2 * float((prob.prior_prec * dz * dz).sum())
-        return f
+        return f, r.reshape(r.shape[0], -1)
 
+    def gradients(Jw, Je, r, wv):
+        gw = torch.einsum("bri,br->i", Jw, r)
+        if has_prior:
+            gw[:nb] += Hp @ wv[:nb] + sig2 * (KB.T @ (prob.prior_prec * prob.prior_offset))
+        return gw, (None if Je is None else torch.einsum("bri,br->bi", Je, r))
+
+    def solve(A, Ainv, Hwe, gw, ge):
+        """The step (dw, dx) from the (damped, Schur-reduced) normal equations."""
+        rhs = gw if ge is None else gw - torch.einsum("bij,bjk,bk->i", Hwe, Ainv, ge)
+        dw = limit_step(-torch.linalg.solve(A, rhs), nb, opts.lm_max_step)
+        dx = None if ge is None else -torch.einsum("bij,bj->bi", Ainv, ge + torch.einsum("bij,i->bj", Hwe, dw))
+        return dw, dx
+
+    def take(wv, xv, dw, dx):
+        return wv + dw, (None if dx is None else xv + dx.reshape(xv.shape))
+
+    def accept(w_new, x_new, f_new):
+        with torch.no_grad():
+            w.copy_(w_new)
+            if x0 is not None:
+                x0.copy_(x_new)
+        update_best(f_new / norm)
+        record(f_new / norm)
+
+    Hp = sig2 * (KB.T @ (prob.prior_prec[:, None] * KB)) if has_prior else None
     lam = opts.lm_lambda
-    f = f_of(w.detach(), None if x0 is None else x0.detach())
+    f, r = f_of(w.detach(), None if x0 is None else x0.detach())
     if not math.isfinite(f):
         raise DivergenceError("refine: non-finite loss at the starting point (poisoned data or an unstable "
                               "rollout; try a smaller sim_dt)")
@@ -1015,51 +1046,34 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
             notes.append("non-finite Jacobian; stopped at the best point")
             return False
         Hww = torch.einsum("bri,brj->ij", Jw, Jw)
-        gw = torch.einsum("bri,br->i", Jw, r)
         if has_prior:
-            Hp = sig2 * (KB.T @ (prob.prior_prec[:, None] * KB))
             Hww[:nb, :nb] += Hp
-            gw[:nb] += Hp @ w.detach()[:nb] + sig2 * (KB.T @ (prob.prior_prec * prob.prior_offset))
+        gw, ge = gradients(Jw, Je, r, w.detach())
+        Hwe = Hee = None
         if Je is not None:
             Hwe = torch.einsum("bri,brj->bij", Jw, Je)
             Hee = torch.einsum("bri,brj->bij", Je, Je)
-            ge = torch.einsum("bri,br->bi", Je, r)
         accepted = False
+        f_start = f
         for _ in range(12):
             dW = torch.diagonal(Hww).clamp_min(1e-12 * float(torch.diagonal(Hww).max()) + 1e-300)
             A = Hww + lam * torch.diag(dW)
-            rhs = gw.clone()
+            Ainv = None
             if Je is not None:
                 dE = torch.diagonal(Hee, dim1=-2, dim2=-1)
                 dE = dE.clamp_min(1e-12 * float(dE.max()) + 1e-300)
-                Aee = Hee + lam * torch.diag_embed(dE)
-                Ainv = _truncated_inverse(Aee, X0_RCOND ** 2)
+                Ainv = _truncated_inverse(Hee + lam * torch.diag_embed(dE), X0_RCOND ** 2)
                 A = A - torch.einsum("bij,bjk,blk->il", Hwe, Ainv, Hwe)
-                rhs = rhs - torch.einsum("bij,bjk,bk->i", Hwe, Ainv, ge)
+            A = 0.5 * (A + A.T)
             try:
-                dw = -torch.linalg.solve(0.5 * (A + A.T), rhs)
+                dw, dx = solve(A, Ainv, Hwe, gw, ge)
             except RuntimeError:
                 lam *= 10.0
                 continue
-            dw = limit_step(dw, nb, opts.lm_max_step)
-            w_new = w.detach() + dw
-            x_new = None
-            if Je is not None:
-                dx = -torch.einsum("bij,bj->bi", Ainv, ge + torch.einsum("bij,i->bj", Hwe, dw))
-                x_new = x0.detach() + dx.reshape(x0.shape)
-            f_new = f_of(w_new, x_new)
-            if math.isfinite(f_new):
-                update_best_state = f_new < f
-            else:
-                update_best_state = False
-            record_val = f_new / norm if math.isfinite(f_new) else float("inf")
-            if update_best_state:
-                with torch.no_grad():
-                    w.copy_(w_new)
-                    if x0 is not None:
-                        x0.copy_(x_new)
-                update_best(record_val)
-                record(record_val)
+            w_new, x_new = take(w.detach(), None if x0 is None else x0.detach(), dw, dx)
+            f_new, r_new = f_of(w_new, x_new)
+            if math.isfinite(f_new) and f_new < f:
+                accept(w_new, x_new, f_new)
                 lam = max(lam / 3.0, 1e-9)
                 accepted = True
                 break
@@ -1068,8 +1082,26 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
         if not accepted:
             notes.append("Levenberg-Marquardt: no decreasing step (at a minimum or noisy loss)")
             return True
-        dec = f - f_new
-        f = f_new
-        if dec <= max(opts.stall_tolerance * f, 1e-2 * opts.stall_chi2 * sig2):
+        # chord steps: the same normal equations with fresh residuals (one rollout each instead of a
+        # Jacobian), while each still gains at least half of what the one before it gained
+        gain = f - f_new
+        f, r = f_new, r_new
+        for _ in range(opts.lm_chord_steps):
+            gw, ge = gradients(Jw, Je, r, w.detach())
+            try:
+                dw, dx = solve(A, Ainv, Hwe, gw, ge)
+            except RuntimeError:
+                break
+            w_new, x_new = take(w.detach(), None if x0 is None else x0.detach(), dw, dx)
+            f_new, r_new = f_of(w_new, x_new)
+            if not (math.isfinite(f_new) and f_new < f):
+                break
+            accept(w_new, x_new, f_new)
+            counters["chord"] = counters.get("chord", 0) + 1
+            step_gain, f, r = f - f_new, f_new, r_new
+            if step_gain < 0.5 * gain:
+                break
+            gain = step_gain
+        if f_start - f <= max(opts.stall_tolerance * f, 1e-2 * opts.stall_chi2 * sig2):
             return True
     return False
