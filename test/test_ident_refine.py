@@ -69,3 +69,13 @@ def test_chord_steps_reach_the_same_fit_with_no_more_jacobians(pendulum_data):
     assert chord.residual_rms_m < 1e-4 and plain.residual_rms_m < 1e-4
     assert chord.iterations <= plain.iterations                  # Jacobians
     assert chord.evaluations > chord.iterations + 1              # chord steps were taken and kept
+
+
+def test_nothing_free_fits_the_window_starts_only(pendulum_data):
+    """kinds=() (e.g. to score a parameter set with its window starts fitted): LM runs on the starts alone and
+    leaves every parameter where it was."""
+    s, nominal, true, ds = pendulum_data
+    r = refine(s, ds, true, RefineOptions(kinds=(), estimate_delay=False, delay_s=0.02, window_s=0.3, max_iter=3))
+    for (n, a), b in zip(r.params.named().items(), true.named().values()):
+        assert float(a) == pytest.approx(float(b), rel=1e-9, abs=1e-12), n          # (round trip of the transforms)
+    assert np.isfinite(r.loss) and r.history[-1]["loss"] <= r.history[0]["loss"]

@@ -1056,7 +1056,8 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
         accepted = False
         f_start = f
         for _ in range(12):
-            dW = torch.diagonal(Hww).clamp_min(1e-12 * float(torch.diagonal(Hww).max()) + 1e-300)
+            dW = torch.diagonal(Hww)
+            dW = dW.clamp_min(1e-12 * (float(dW.max()) if dW.numel() else 0.0) + 1e-300)   # nothing free: starts only
             A = Hww + lam * torch.diag(dW)
             Ainv = None
             if Je is not None:
