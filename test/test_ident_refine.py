@@ -56,7 +56,7 @@ def test_lbfgs_and_adam_decrease_the_loss(pendulum_data):
 
 def test_chord_steps_reach_the_same_fit_with_no_more_jacobians(pendulum_data):
     """Levenberg-Marquardt's chord steps (fresh residuals, the same normal equations: one rollout instead of a
-    Jacobian) only keep steps that lower the loss, so the fit is the one plain LM finds, for fewer Jacobians."""
+    Jacobian) only keep steps that lower the loss, so the fit is the one plain LM finds, for no more Jacobians."""
     s, nominal, true, ds = pendulum_data
     fits = {}
     for chord in (0, 4):

@@ -57,9 +57,10 @@ class IdentifyOptions:
         Gaussian prior stays centred where it was). Short windows are nearly convex from a start ~20 % off;
         long ones carry far more information per window (their start states cost the same 6 nf unknowns),
         but from such a start they stall in local minima. Measured on the manipulator (60 parameters, 1 mm
-        noise): 0.3-s windows from the prior stalled at a loss of 74 (noise floor 3). Straight from 0.1-s to
-        0.3-s windows one of three seeds stayed in a worse basin (5.4 %); with a 0.2-s stage between them
-        (``((0.2, 24, 4), (0.3, 24, 6))``) the three seeds end at 2.0-2.7 % (docs/identification.md).
+        noise): 0.3-s windows from the prior stalled at a loss of 74 (noise floor 3); straight from 0.1-s to
+        0.3-s windows one seed stayed in a worse basin (5.4 %). The bench's ladder
+        ``((0.2, 12, 3), (0.5, 8, 3), (1.0, 8, 3))`` after 24 x 0.1 s ends at 0.84 / 2.94 / 1.37 % on seeds
+        0 / 1 / 2 (was 2.29 / 1.93 / 4.45 % with 0.1 -> 0.3 s; docs/identification.md, section 5).
     stage2_start: ``auto`` (stage 2 starts from the stage-1 result or the prior, whichever predicts the
         data better, and from the prior whenever stage 1 moved a mass, stiffness or damping by more than
         ``stage1_max_factor``), ``stage1`` or ``prior``.
