@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tensegrity_ros.engine import Inputs, make_engine, params_from_structure  # noqa: E402
-from tensegrity_ros.ident import IdentifyOptions, add_marker_noise, drop_frames, identify, make_dataset  # noqa: E402
+from tensegrity_ros.ident import LONGER_WINDOWS_LADDER, IdentifyOptions, add_marker_noise, drop_frames, identify, make_dataset  # noqa: E402
 from tensegrity_ros.ident.baselines.mujoco_loop import (TwinObjective, TwinTrial, cma_es,  # noqa: E402
                                                         least_squares_lbfgsb, mujoco_minimize, twin_rollout)
 from tensegrity_ros.ident.synthetic import random_initial_state  # noqa: E402
@@ -420,7 +420,7 @@ def manipulator_run(quick: bool, seed: int = 0, record: bool = True) -> Dict[str
     # prior stalled in a local minimum, loss 74 vs 3). Seed 2 shows why the ladder: 0.1 -> 0.3 s ended at 5.4 %,
     # 0.1 -> 0.2 -> 0.3 s at 2.7 %, and the 0.5-s and 1.0-s stages then see the dampings (and through them the
     # masses) that short windows cannot: 1.3 % (docs/identification.md, section 5).
-    longer = ((0.2, 6, 2), (0.5, 4, 2), (1.0, 4, 2)) if quick else ((0.2, 12, 3), (0.5, 8, 3), (1.0, 8, 3))
+    longer = ((0.2, 6, 2), (0.5, 4, 2), (1.0, 4, 2)) if quick else LONGER_WINDOWS_LADDER
     opts = IdentifyOptions(estimate=kinds, refine_kinds=kinds, total_mass=total, window_s=0.1,
                            max_windows=12 if quick else 24, max_iter=8, smooth_window_s=0.05,
                            longer_windows=longer, covariance_windows=4 if quick else 12,

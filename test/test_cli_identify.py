@@ -159,9 +159,17 @@ def test_bad_longer_windows_flag_fails_before_reading_the_bag(tmp_path, capsys, 
 
 
 def test_longer_windows_default_to_the_ladder_and_none_turns_it_off():
-    from tensegrity_ros.commands.identify import DEFAULT_LADDER, _ladder
-    assert _ladder(None) == tuple(tuple(float(v) if i == 0 else int(v) for i, v in enumerate(x.split(":")))
-                                  for x in DEFAULT_LADDER)
+    from tensegrity_ros.commands.identify import _ladder
+    from tensegrity_ros.ident import LONGER_WINDOWS_LADDER
+    assert _ladder(None) == LONGER_WINDOWS_LADDER
     assert [ws for ws, _, _ in _ladder(None)] == sorted(ws for ws, _, _ in _ladder(None))   # ever longer
     assert _ladder(["none"]) == ()
     assert _ladder(["0.3:24:8"]) == ((0.3, 24, 8),)
+
+
+def test_identify_help_states_the_default_ladder(capsys):
+    with pytest.raises(SystemExit):
+        main(["identify", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    from tensegrity_ros.ident import LONGER_WINDOWS_LADDER
+    assert " ".join(f"--longer-windows {ws}:{nw}:{it}" for ws, nw, it in LONGER_WINDOWS_LADDER) in text

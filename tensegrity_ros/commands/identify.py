@@ -45,8 +45,9 @@ def add_arguments(parser) -> None:
                         help="multiple-shooting windows, spread over the recording (cost grows linearly)")
     parser.add_argument("--longer-windows", action="append", default=None, metavar="SECONDS:COUNT:ITERS",
                         help="then refine again on longer windows, each run from the result before (repeatable, "
-                             "in order; 'none': stop after the first fit). Default: "
-                             + " ".join(f"--longer-windows {x}" for x in DEFAULT_LADDER) + ". Long windows see "
+                             "in order; 'none': stop after the first fit). Default: the bench's ladder "
+                             "(ident.LONGER_WINDOWS_LADDER), --longer-windows 0.2:12:3 --longer-windows 0.5:8:3 "
+                             "--longer-windows 1.0:8:3. Long windows see "
                              "damping and masses far better but need a start near the answer; the ladder gets "
                              "there (manipulator bench, three seeds: 0.8-2.9 %% median error instead of 1.9-4.5 %% "
                              "with one longer stage; ~70 s more on 2 cores)")
@@ -133,16 +134,12 @@ def run(args) -> int:
     return 0
 
 
-#: the stage-2 continuation run by default: longer windows in steps, each from the result before (see
-#: docs/identification.md, section 5: with it the manipulator bench's seeds end at 0.84 / 2.94 / 1.37 %, against
-#: 2.29 / 1.93 / 4.45 % with a single 0.3-s stage).
-DEFAULT_LADDER = ("0.2:12:3", "0.5:8:3", "1.0:8:3")
-
-
 def _ladder(flags):
-    """The --longer-windows flags (None: the default ladder; ['none']: no continuation) as stages."""
+    """The --longer-windows flags as stages: None gives the default ladder (the bench's schedule, with which its
+    seeds end at 0.84 / 2.94 / 1.37 % against 2.29 / 1.93 / 4.45 % with a single 0.3-s stage); ['none'] none."""
     if flags is None:
-        flags = DEFAULT_LADDER
+        from ..ident import LONGER_WINDOWS_LADDER      # here, not at import: `--help` needs no torch
+        return LONGER_WINDOWS_LADDER
     if [f.strip().lower() for f in flags] == ["none"]:
         return ()
     return tuple(_longer(x) for x in flags)

@@ -14,11 +14,11 @@ See docs/identification.md.
 """
 from .data import Dataset, Window, add_marker_noise, cut_windows, derivatives, drop_frames, make_dataset, screen_dataset
 from .errors import DataError, DivergenceError, IdentificationError, NotEnoughDataError
-from .pipeline import STAGES, IdentificationResult, IdentifyOptions, identify
+from .pipeline import LONGER_WINDOWS_LADDER, STAGES, IdentificationResult, IdentifyOptions, identify
 from .refine import RefineOptions, RefineResult, refine
 from .regression import RegressionOptions, RegressionResult, regress
 
 __all__ = ["DataError", "Dataset", "DivergenceError", "IdentificationError", "IdentificationResult", "IdentifyOptions",
-           "NotEnoughDataError", "RefineOptions", "RefineResult", "RegressionOptions", "RegressionResult", "STAGES",
+           "LONGER_WINDOWS_LADDER",            "NotEnoughDataError", "RefineOptions", "RefineResult", "RegressionOptions", "RegressionResult", "STAGES",
            "Window", "add_marker_noise", "cut_windows", "derivatives", "drop_frames", "identify", "make_dataset",
            "refine", "regress", "screen_dataset"]

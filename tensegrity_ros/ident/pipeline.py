@@ -32,6 +32,11 @@ __all__ = ["IdentifyOptions", "IdentificationResult", "identify", "STAGES"]
 
 STAGES = ("regression", "refine")
 
+#: ``IdentifyOptions.longer_windows`` for a 10-20 s recording like the manipulator bench's: after 0.1-s windows,
+#: 12 x 0.2 s, 8 x 0.5 s and 8 x 1.0 s, 3 Levenberg-Marquardt iterations each (docs/identification.md, section 5;
+#: the bench's schedule and ``tensegrity identify``'s default).
+LONGER_WINDOWS_LADDER = ((0.2, 12, 3), (0.5, 8, 3), (1.0, 8, 3))
+
 
 @dataclass(frozen=True)
 class IdentifyOptions:
@@ -59,7 +64,7 @@ class IdentifyOptions:
         but from such a start they stall in local minima. Measured on the manipulator (60 parameters, 1 mm
         noise): 0.3-s windows from the prior stalled at a loss of 74 (noise floor 3); straight from 0.1-s to
         0.3-s windows one seed stayed in a worse basin (5.4 %). The bench's ladder
-        ``((0.2, 12, 3), (0.5, 8, 3), (1.0, 8, 3))`` after 24 x 0.1 s ends at 0.84 / 2.94 / 1.37 % on seeds
+        :data:`LONGER_WINDOWS_LADDER` after 24 x 0.1 s ends at 0.84 / 2.94 / 1.37 % on seeds
         0 / 1 / 2 (was 2.29 / 1.93 / 4.45 % with 0.1 -> 0.3 s; docs/identification.md, section 5).
     stage2_start: ``auto`` (stage 2 starts from the stage-1 result or the prior, whichever predicts the
         data better, and from the prior whenever stage 1 moved a mass, stiffness or damping by more than

@@ -987,8 +987,8 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
     Normal equations with the window starts eliminated (Schur complement, block-diagonal in windows):
         S dw = -(g_w - sum_k H_we,k H_ee,k^-1 g_e,k),   dx0_k = -H_ee,k^-1 (g_e,k + H_ew,k dw)
     with Marquardt damping lambda diag(H). After each accepted step up to ``lm_chord_steps`` chord steps reuse
-    the factorised equations with fresh residuals (a rollout each, not a Jacobian). Returns True when converged (the loss stopped decreasing by
-    more than ``stall_tolerance`` (relative) or a chi^2 of ``stall_chi2 * 1e-2``).
+    the factorised equations with fresh residuals (a rollout each, not a Jacobian). Returns True when converged
+    (the loss stopped decreasing by more than ``stall_tolerance`` (relative) or a chi^2 of ``stall_chi2 * 1e-2``).
     """
     sig2 = opts.noise_std_m ** 2
     norm = prob.n_obs * sig2
@@ -1010,7 +1010,7 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
     def gradients(Jw, Je, r, wv):
         gw = torch.einsum("bri,br->i", Jw, r)
         if has_prior:
-            gw[:nb] += Hp @ wv[:nb] + sig2 * (KB.T @ (prob.prior_prec * prob.prior_offset))
+            gw[:nb] += Hp @ wv[:nb] + gp0
         return gw, (None if Je is None else torch.einsum("bri,br->bi", Je, r))
 
     def solve(A, Ainv, Hwe, gw, ge):
@@ -1031,7 +1031,10 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
         update_best(f_new / norm)
         record(f_new / norm)
 
-    Hp = sig2 * (KB.T @ (prob.prior_prec[:, None] * KB)) if has_prior else None
+    Hp = gp0 = None
+    if has_prior:                       # the prior's Hessian and the constant part of its gradient
+        Hp = sig2 * (KB.T @ (prob.prior_prec[:, None] * KB))
+        gp0 = sig2 * (KB.T @ (prob.prior_prec * prob.prior_offset))
     lam = opts.lm_lambda
     f, r = f_of(w.detach(), None if x0 is None else x0.detach())
     if not math.isfinite(f):
@@ -1098,7 +1101,6 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
             if not (math.isfinite(f_new) and f_new < f):
                 break
             accept(w_new, x_new, f_new)
-            counters["chord"] = counters.get("chord", 0) + 1
             step_gain, f, r = f - f_new, f_new, r_new
             if step_gain < 0.5 * gain:
                 break
