@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from tensegrity_ros.engine import Inputs, make_engine, params_from_structure  # noqa: E402
 from tensegrity_ros.ident import LONGER_WINDOWS_LADDER, IdentifyOptions, add_marker_noise, drop_frames, identify, make_dataset  # noqa: E402
+from tensegrity_ros.ident.workers import usable_cores  # noqa: E402
 from tensegrity_ros.ident.baselines.mujoco_loop import (TwinObjective, TwinTrial, cma_es,  # noqa: E402
                                                         least_squares_lbfgsb, mujoco_minimize, twin_rollout)
 from tensegrity_ros.ident.synthetic import random_initial_state  # noqa: E402
@@ -424,7 +425,7 @@ def manipulator_run(quick: bool, seed: int = 0, record: bool = True) -> Dict[str
     opts = IdentifyOptions(estimate=kinds, refine_kinds=kinds, total_mass=total, window_s=0.1,
                            max_windows=12 if quick else 24, max_iter=8, smooth_window_s=0.05,
                            longer_windows=longer, covariance_windows=4 if quick else 12,
-                           prior_std=prior_std, noise_std_m=1e-3)
+                           prior_std=prior_std, noise_std_m=1e-3, workers=usable_cores())
     t1 = time.perf_counter()
     res = identify(s, noisy, prior=prior, stages=("refine",), options=opts)
     wall = time.perf_counter() - t1
@@ -442,7 +443,7 @@ def manipulator_run(quick: bool, seed: int = 0, record: bool = True) -> Dict[str
                 "residual_rms_mm": res.residual_rms_m * 1e3,
                 "z_rms": float(np.sqrt(np.mean(np.square(z)))) if z else None,
                 "settings": {"windows": opts.max_windows, "window_s": opts.window_s, "max_iter": opts.max_iter,
-                             "longer_windows": [list(x) for x in longer], "stages": ["refine"],
+                             "longer_windows": [list(x) for x in longer], "stages": ["refine"], "workers": opts.workers,
                              "prior_std": prior_std},
                 "notes": res.notes[-4:]})
     if record and not quick:

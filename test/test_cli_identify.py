@@ -141,21 +141,22 @@ def test_bad_model_file_exits_2(tmp_path, capsys):
     assert "nodes[0]" in capsys.readouterr().err
 
 
-def test_bad_prior_std_flag_fails_before_reading_the_bag(tmp_path, capsys):
+@pytest.mark.parametrize("flag, value", [("--prior-std", "stifness=0.2"), ("--longer-windows", "0.3:24"),
+                                         ("--longer-windows", "0.3:x:3"), ("--longer-windows", "0:24:3"),
+                                         ("--workers", "0"), ("--workers", "two")])
+def test_bad_flag_fails_before_reading_the_bag(tmp_path, capsys, flag, value):
     out = tmp_path / "params.yaml"
     rc = main(["identify", str(tmp_path / "no_such_bag"), "--model", str(MANIPULATOR), "--out", str(out),
-               "--prior-std", "stifness=0.2"])
+               flag, value])
     assert rc == 2 and not out.exists()
-    assert "--prior-std" in capsys.readouterr().err
+    assert flag in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("spec", ["0.3:24", "0.3:x:3", "0:24:3"])
-def test_bad_longer_windows_flag_fails_before_reading_the_bag(tmp_path, capsys, spec):
-    out = tmp_path / "params.yaml"
-    rc = main(["identify", str(tmp_path / "no_such_bag"), "--model", str(MANIPULATOR), "--out", str(out),
-               "--longer-windows", spec])
-    assert rc == 2 and not out.exists()
-    assert "--longer-windows" in capsys.readouterr().err
+def test_workers_default_to_the_usable_cores_at_most_8():
+    import os
+    from tensegrity_ros.commands.identify import _workers
+    assert _workers("auto") == min(8, len(os.sched_getaffinity(0)))
+    assert _workers("3") == 3
 
 
 def test_longer_windows_default_to_the_ladder_and_none_turns_it_off():

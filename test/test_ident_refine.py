@@ -79,3 +79,48 @@ def test_nothing_free_fits_the_window_starts_only(pendulum_data):
     for (n, a), b in zip(r.params.named().items(), true.named().values()):
         assert float(a) == pytest.approx(float(b), rel=1e-9, abs=1e-12), n          # (round trip of the transforms)
     assert np.isfinite(r.loss) and r.history[-1]["loss"] <= r.history[0]["loss"]
+
+
+def test_window_workers_give_the_one_process_fit(pendulum_data):
+    """Levenberg-Marquardt's residuals and Jacobians spread over two forked processes (a share of the windows
+    each) are the one-process numbers, so the fit is the same; the workers are gone afterwards."""
+    s, nominal, true, ds = pendulum_data
+    fits = {n: refine(s, ds, nominal, RefineOptions(kinds=("rest_length", "spool_radius"), estimate_delay=True,
+                                                    window_s=0.3, max_iter=4, workers=n))
+            for n in (1, 2)}
+    one, two = fits[1], fits[2]
+    assert two.problem.B_win >= 2 and two.problem._workers is None
+    assert two.iterations == one.iterations and two.evaluations == one.evaluations
+    for (n, a), b in zip(two.params.named().items(), one.params.named().values()):
+        assert float(a) == pytest.approx(float(b), rel=1e-12, abs=1e-15), n
+    assert two.loss == pytest.approx(one.loss, rel=1e-12)
+
+
+def test_window_workers_match_in_process_blocks_and_survive_a_killed_worker(pendulum_data):
+    import os
+    import signal
+
+    import torch
+
+    from tensegrity_ros.ident.refine import RefineProblem
+    from tensegrity_ros.ident.workers import window_workers
+    s, nominal, true, ds = pendulum_data
+    prob = RefineProblem(s, [ds], nominal, RefineOptions(kinds=("rest_length",), window_s=0.2))
+    w = prob.initial_w(0.0)
+    x0 = 1e-3 * torch.randn(prob.B_win, len(prob.top.free_nodes), 6, dtype=prob.dtype,
+                            generator=torch.Generator().manual_seed(0))
+    r1, Jw1, Je1 = prob.jacobian_blocks(w, x0)
+    res1 = prob.residuals(w, x0)
+    with window_workers(prob, 3) as workers:
+        assert workers is not None and prob.subset([0, 1])._workers is None
+        r2, Jw2, Je2 = prob.jacobian_blocks(w, x0)
+        for a, b in ((r1, r2), (Jw1, Jw2), (Je1, Je2), (res1, prob.residuals(w, x0))):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)
+        # the workers killed (as by the out-of-memory killer): the call finishes in this process, and says so
+        for pid in list(workers._pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        r3, _, _ = prob.jacobian_blocks(w, x0)
+        torch.testing.assert_close(r3, r1, rtol=1e-12, atol=1e-15)
+        assert workers.failure and "one process" in workers.failure and prob._workers is None
+    assert prob._workers is None

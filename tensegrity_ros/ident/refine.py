@@ -44,6 +44,7 @@ from ..engine import REST_LENGTH_BOUNDS, Inputs, Params, from_unconstrained, mak
 from ..model import Structure
 from .data import Dataset, derivatives
 from .errors import DivergenceError, NotEnoughDataError
+from .workers import window_workers
 
 __all__ = ["RefineOptions", "RefineResult", "refine", "RefineProblem", "SCALE_KINDS"]
 
@@ -108,6 +109,8 @@ class RefineOptions:
     max_time_s: wall-time budget (the best point so far is returned).
     smooth_window_s: smoothing window for the initial states of noisy data (see data.derivatives).
     device / dtype: where the rollouts run (``"cuda"`` when present).
+    workers: Levenberg-Marquardt's residuals and Jacobians spread over this many forked processes, a share of
+        the windows each (CPU only; same results; see :mod:`.workers`). 1: all in this process.
     observed_nodes: node names compared (default: the free nodes).
     engine_options: extra ``make_engine`` options (nodal: ``solver``, ``projection_iters``, ...).
     """
@@ -148,6 +151,7 @@ class RefineOptions:
     smooth_window_s: Optional[float] = None
     device: Optional[str] = None
     dtype: torch.dtype = torch.float64
+    workers: int = 1
     observed_nodes: Optional[Tuple[str, ...]] = None
     engine_options: Mapping[str, Any] = field(default_factory=dict)
 
@@ -161,6 +165,8 @@ class RefineOptions:
             raise ValueError("RefineOptions.window_s must be > 0")
         if self.jacobian not in JACOBIANS:
             raise ValueError(f"RefineOptions.jacobian = {self.jacobian!r} (valid: {', '.join(JACOBIANS)})")
+        if not (isinstance(self.workers, int) and self.workers >= 1):
+            raise ValueError(f"RefineOptions.workers = {self.workers!r} (expected an integer >= 1)")
 
 
 @dataclass
@@ -285,6 +291,7 @@ class RefineProblem:
         self.opts = opts
         dev = torch.device(opts.device) if opts.device else torch.device("cpu")
         self.device, self.dtype = dev, opts.dtype
+        self._workers = None                  # WindowWorkers while refine() spreads the windows (.workers)
         self.engine = make_engine(structure, backend=backend, integrator=integrator, dtype=opts.dtype, device=dev,
                                   **dict(opts.engine_options))
         top = self.engine.topology
@@ -493,6 +500,7 @@ class RefineProblem:
         sub.window_ids = [self.window_ids[i] for i in idx]
         sub.B_win = len(idx)
         sub.contiguous = []
+        sub._workers = None
         return sub
 
     # ---------------------------------------------------------------------------------------------
@@ -634,8 +642,17 @@ class RefineProblem:
             val = float(torch.sqrt((r * r).sum() / max(self.n_obs, 1)))
         return val if math.isfinite(val) else float("inf")
 
+    def _parallel(self, w: torch.Tensor, x0: Optional[torch.Tensor]) -> bool:
+        """Whether to hand this evaluation to the window workers (see :mod:`.workers`): they are running and no
+        gradient has to flow back through the result."""
+        if self._workers is None:
+            return False
+        return not (torch.is_grad_enabled() and (w.requires_grad or (x0 is not None and x0.requires_grad)))
+
     def residuals(self, w: torch.Tensor, x0: Optional[torch.Tensor]) -> torch.Tensor:
         """Masked position residuals (B, H, No, 3), m (zero where not observed)."""
+        if self._parallel(w, x0):
+            return self._workers.map("residuals", w, x0)
         pred, _, _ = self.simulate(self.params_of(w), self.delay_of(w), x0)
         return (pred - self.targets) * self.mask[..., None].to(self.dtype)
 
@@ -676,6 +693,8 @@ class RefineProblem:
         one column per initial-state coordinate (shared by all windows) gives every window's block.
         """
         method = self.jacobian_method(method)
+        if self._workers is not None:
+            return self._workers.map("jacobian_blocks", w.detach(), None if x0 is None else x0.detach(), method)
         n_w = w.numel()
         nf = len(self.top.free_nodes)
         ne = 6 * nf if x0 is not None else 0
@@ -909,11 +928,14 @@ def refine(structure: Structure, data: Union[Dataset, Sequence[Dataset]], start:
             converged = stop.converged
             notes.append(stop.why)
     elif opts.optimizer == "gauss_newton":
-        try:
-            converged = _levenberg_marquardt(prob, w, x0, opts, counters, _update_best, record, notes)
-        except _Stop as stop:
-            converged = stop.converged
-            notes.append(stop.why)
+        with window_workers(prob, opts.workers) as workers:
+            try:
+                converged = _levenberg_marquardt(prob, w, x0, opts, counters, _update_best, record, notes)
+            except _Stop as stop:
+                converged = stop.converged
+                notes.append(stop.why)
+            if workers is not None and workers.failure:
+                notes.append(workers.failure)
     else:
         adam = torch.optim.Adam(opt_vars, lr=opts.lr or 0.05)
         sched = torch.optim.lr_scheduler.StepLR(adam, step_size=max(1, opts.adam_halve_every), gamma=0.5)

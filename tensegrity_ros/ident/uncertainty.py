@@ -34,6 +34,7 @@ import torch
 from ..engine.params import REST_LENGTH_BOUNDS, TRANSFORMS
 from .refine import DELAY_UNIT_S, RefineProblem
 from .regression import identifiability_reference
+from .workers import window_workers
 
 __all__ = ["Covariance", "jacobian", "gauss_newton_covariance", "physical_jacobian_diag"]
 
@@ -133,7 +134,8 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     ne = 6 * nf if x0 is not None else 0
     w = w.detach()
 
-    _, Jw, Je = sub.jacobian_blocks(w, x0s, jacobian)                  # (Bs, R, n_w), (Bs, R, ne)
+    with window_workers(sub, prob.opts.workers):
+        _, Jw, Je = sub.jacobian_blocks(w, x0s, jacobian)              # (Bs, R, n_w), (Bs, R, ne)
     Hww = torch.einsum("bri,brj->ij", Jw, Jw)
     if Je is not None:
         Hwe = torch.einsum("bri,brj->bij", Jw, Je)

@@ -1,0 +1,113 @@
+"""Window-parallel evaluation of a multiple-shooting problem in forked worker processes.
+
+Stage 2's windows are independent: each has its own start state, and its residuals and Jacobian blocks depend
+only on the shared parameters and its own start offsets. :func:`window_workers` forks ``n`` processes that
+inherit the problem (copy-on-write: nothing is pickled but the arguments and the results), hands each a
+contiguous share of the windows and concatenates what they return. That equals the one-process result exactly,
+because every window is computed by the same code on the same numbers.
+
+Processes, not threads: every engine step issues many small tensor operations whose dispatch holds the GIL.
+On the manipulator's 8 x 1.0-s windows two threads took 9.12 s against 10.02 s for one; two processes took
+5.67 s against 8.73 s (docs/identification.md, section 5).
+
+Only on the CPU (a CUDA context does not survive a fork) and where the ``fork`` start method exists (Linux,
+macOS); elsewhere, and for one window or ``n = 1``, everything stays in this process.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Iterator, List, Optional
+
+import numpy as np
+import torch
+
+#: the problem a forked worker inherited (set in the child by :func:`_adopt`)
+_PROBLEM: Any = None
+
+
+def _adopt(problem) -> None:
+    global _PROBLEM
+    torch.set_num_threads(1)
+    problem._workers = None                 # the child's copy evaluates in its own process
+    _PROBLEM = problem
+
+
+def _to_numpy(x):
+    # numpy through the result pipe, not torch's shared-memory tensors: a container's /dev/shm is often 64 MB,
+    # and one Jacobian of 8 x 1.0-s windows is ~70 MB
+    if isinstance(x, tuple):
+        return tuple(_to_numpy(v) for v in x)
+    return None if x is None else x.detach().cpu().numpy()
+
+
+def _evaluate(method: str, idx: List[int], args: tuple):
+    return _to_numpy(getattr(_PROBLEM.subset(idx), method)(*args))
+
+
+def _concat(parts: list):
+    if isinstance(parts[0], tuple):
+        return tuple(_concat([p[k] for p in parts]) for k in range(len(parts[0])))
+    return None if parts[0] is None else torch.from_numpy(np.concatenate(parts, axis=0))
+
+
+def usable_cores(cap: int = 8) -> int:
+    """The cores this process may run on, at most ``cap`` (the ladder's longest rungs have 8 windows)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cap, n))
+
+
+def can_fork(device) -> bool:
+    """Whether windows can be spread over forked processes for a problem on ``device``."""
+    return torch.device(device).type == "cpu" and "fork" in multiprocessing.get_all_start_methods()
+
+
+class WindowWorkers:
+    """``n`` forked processes, each evaluating a fixed contiguous share of ``problem``'s windows."""
+
+    def __init__(self, problem, n: int):
+        self.problem = problem
+        self.shares = [a.tolist() for a in np.array_split(np.arange(problem.B_win), n)]
+        self.failure: Optional[str] = None
+        self._pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"), initializer=_adopt,
+                                         initargs=(problem,))
+
+    def map(self, method: str, w: torch.Tensor, x0: Optional[torch.Tensor], *rest):
+        """``problem.<method>(w, x0, *rest)`` with the windows spread over the workers; results are
+        concatenated along the window axis (a tuple's items each, ``None`` items kept)."""
+        w = w.detach().cpu()
+        futures = [self._pool.submit(_evaluate, method, idx,
+                                     (w, None if x0 is None else x0.detach().cpu()[idx], *rest))
+                   for idx in self.shares]
+        try:
+            parts = [f.result() for f in futures]
+        except BrokenProcessPool as exc:      # a worker was killed (out of memory?): finish in this process
+            self.failure = f"window workers stopped ({exc}); continued in one process"
+            self.problem._workers = None
+            return getattr(self.problem, method)(w, x0, *rest)
+        out = _concat(parts)
+        dt = self.problem.dtype
+        return tuple(None if v is None else v.to(dt) for v in out) if isinstance(out, tuple) else out.to(dt)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def window_workers(problem, n: int) -> Iterator[Optional[WindowWorkers]]:
+    """Within the block, ``problem.residuals`` and ``problem.jacobian_blocks`` (without autograd) run on ``n``
+    forked processes; yields the :class:`WindowWorkers`, or None where they stay in this process."""
+    n = min(int(n), problem.B_win)
+    if n <= 1 or not can_fork(problem.device):
+        yield None
+        return
+    workers = WindowWorkers(problem, n)
+    problem._workers = workers
+    try:
+        yield workers
+    finally:
+        problem._workers = None
+        workers.close()
