@@ -57,7 +57,7 @@ def add_arguments(parser) -> None:
                              "(relative; rest_length in m); 'none' = no prior")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--workers", default="auto",
-                        help="processes that share stage 2's windows on the CPU (same result, ~1.5-1.8x faster "
+                        help="processes that share stage 2's windows on a Linux CPU (same result, ~1.5-1.8x faster "
                              "with 2); auto = the usable cores, at most 8")
 
 

@@ -77,7 +77,8 @@ class IdentifyOptions:
     num_threads: torch intra-op threads during the call (1 is fastest for these small batched ops on a
         busy CPU; None: leave torch's setting).
     workers: stage 2's windows (its Levenberg-Marquardt residuals and Jacobians, and the covariance's
-        Jacobians) spread over this many forked processes; CPU only, same results (``RefineOptions.workers``).
+        Jacobians) spread over this many forked processes; Linux CPU only, same results
+        (``RefineOptions.workers``).
         On the manipulator bench two gave 1.77x on 24 x 0.1-s Jacobians and 1.54x on 8 x 1.0-s ones.
     raise_errors: raise the typed errors instead of returning ``ok=False``.
     """

@@ -110,7 +110,7 @@ class RefineOptions:
     smooth_window_s: smoothing window for the initial states of noisy data (see data.derivatives).
     device / dtype: where the rollouts run (``"cuda"`` when present).
     workers: Levenberg-Marquardt's residuals and Jacobians spread over this many forked processes, a share of
-        the windows each (CPU only; same results; see :mod:`.workers`). 1: all in this process.
+        the windows each (Linux CPU only; same results; see :mod:`.workers`). 1: all in this process.
     observed_nodes: node names compared (default: the free nodes).
     engine_options: extra ``make_engine`` options (nodal: ``solver``, ``projection_iters``, ...).
     """

@@ -10,14 +10,16 @@ Processes, not threads: every engine step issues many small tensor operations wh
 On the manipulator's 8 x 1.0-s windows two threads took 9.12 s against 10.02 s for one; two processes took
 5.67 s against 8.73 s (docs/identification.md, section 5).
 
-Only on the CPU (a CUDA context does not survive a fork) and where the ``fork`` start method exists (Linux,
-macOS); elsewhere, and for one window or ``n = 1``, everything stays in this process.
+Only on the CPU (a CUDA context does not survive a fork) and on Linux (macOS has ``fork`` but its system
+libraries are not fork-safe, which is why Python spawns there); elsewhere, and for one window or ``n = 1``,
+everything stays in this process.
 """
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Iterator, List, Optional
@@ -62,7 +64,8 @@ def usable_cores(cap: int = 8) -> int:
 
 def can_fork(device) -> bool:
     """Whether windows can be spread over forked processes for a problem on ``device``."""
-    return torch.device(device).type == "cpu" and "fork" in multiprocessing.get_all_start_methods()
+    return (torch.device(device).type == "cpu" and sys.platform.startswith("linux")
+            and "fork" in multiprocessing.get_all_start_methods())
 
 
 class WindowWorkers:
