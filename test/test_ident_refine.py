@@ -124,3 +124,18 @@ def test_window_workers_match_in_process_blocks_and_survive_a_killed_worker(pend
         torch.testing.assert_close(r3, r1, rtol=1e-12, atol=1e-15)
         assert workers.failure and "one process" in workers.failure and prob._workers is None
     assert prob._workers is None
+
+
+def test_window_workers_stay_in_process_inside_a_daemon():
+    """A daemonic process (a multiprocessing worker, as the online identifier may run in) cannot start children:
+    there the workers option falls back to one process instead of failing."""
+    import multiprocessing
+
+    from tensegrity_ros.ident.workers import can_fork
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=lambda: q.put(can_fork("cpu")), daemon=True)
+    p.start()
+    inside = q.get(timeout=60)
+    p.join(timeout=60)
+    assert can_fork("cpu") is True and inside is False

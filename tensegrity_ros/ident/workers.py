@@ -12,7 +12,7 @@ On the manipulator's 8 x 1.0-s windows two threads took 9.12 s against 10.02 s f
 
 Only on the CPU (a CUDA context does not survive a fork) and on Linux (macOS has ``fork`` but its system
 libraries are not fork-safe, which is why Python spawns there); elsewhere, and for one window or ``n = 1``,
-everything stays in this process.
+everything stays in this process (also inside a daemonic process, which may not start children).
 """
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ def usable_cores(cap: int = 8) -> int:
 def can_fork(device) -> bool:
     """Whether windows can be spread over forked processes for a problem on ``device``."""
     return (torch.device(device).type == "cpu" and sys.platform.startswith("linux")
-            and "fork" in multiprocessing.get_all_start_methods())
+            and "fork" in multiprocessing.get_all_start_methods()
+            and not multiprocessing.current_process().daemon)        # a daemonic process may not have children
 
 
 class WindowWorkers:
