@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tensegrity_ros.engine import Inputs, make_engine, params_from_structure  # noqa: E402
-from tensegrity_ros.ident import LONGER_WINDOWS_LADDER, IdentifyOptions, add_marker_noise, drop_frames, identify, make_dataset  # noqa: E402
+from tensegrity_ros.ident import (LONGER_WINDOWS_LADDER, IdentifyOptions, add_marker_noise, drop_frames,  # noqa: E402
+                                  identify, make_dataset)
 from tensegrity_ros.ident.workers import usable_cores  # noqa: E402
 from tensegrity_ros.ident.baselines.mujoco_loop import (TwinObjective, TwinTrial, cma_es,  # noqa: E402
                                                         least_squares_lbfgsb, mujoco_minimize, twin_rollout)

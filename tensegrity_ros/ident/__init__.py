@@ -19,6 +19,6 @@ from .refine import RefineOptions, RefineResult, refine
 from .regression import RegressionOptions, RegressionResult, regress
 
 __all__ = ["DataError", "Dataset", "DivergenceError", "IdentificationError", "IdentificationResult", "IdentifyOptions",
-           "LONGER_WINDOWS_LADDER",            "NotEnoughDataError", "RefineOptions", "RefineResult", "RegressionOptions", "RegressionResult", "STAGES",
-           "Window", "add_marker_noise", "cut_windows", "derivatives", "drop_frames", "identify", "make_dataset",
-           "refine", "regress", "screen_dataset"]
+           "LONGER_WINDOWS_LADDER", "NotEnoughDataError", "RefineOptions", "RefineResult", "RegressionOptions",
+           "RegressionResult", "STAGES", "Window", "add_marker_noise", "cut_windows", "derivatives", "drop_frames",
+           "identify", "make_dataset", "refine", "regress", "screen_dataset"]

@@ -82,9 +82,8 @@ class WindowWorkers:
     def map(self, method: str, w: torch.Tensor, x0: Optional[torch.Tensor], *rest):
         """``problem.<method>(w, x0, *rest)`` with the windows spread over the workers; results are
         concatenated along the window axis (a tuple's items each, ``None`` items kept)."""
-        w = w.detach().cpu()
-        futures = [self._pool.submit(_evaluate, method, idx,
-                                     (w, None if x0 is None else x0.detach().cpu()[idx], *rest))
+        w, x0 = w.detach(), None if x0 is None else x0.detach()          # (on the CPU: see can_fork)
+        futures = [self._pool.submit(_evaluate, method, idx, (w, None if x0 is None else x0[idx], *rest))
                    for idx in self.shares]
         try:
             parts = [f.result() for f in futures]
@@ -92,9 +91,7 @@ class WindowWorkers:
             self.failure = f"window workers stopped ({exc}); continued in one process"
             self.problem._workers = None
             return getattr(self.problem, method)(w, x0, *rest)
-        out = _concat(parts)
-        dt = self.problem.dtype
-        return tuple(None if v is None else v.to(dt) for v in out) if isinstance(out, tuple) else out.to(dt)
+        return _concat(parts)                  # numpy keeps the dtype: the problem's
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
