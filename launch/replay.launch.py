@@ -5,18 +5,43 @@
 
 Only the raw inputs (/mocap/markers, /tensegrity/motor_states) are played, so the graph recomputes
 node states, parameters and predictions. Same arguments as graph.launch.py plus bag and rate.
+
+The played motor states, markers and /clock must not reach a real robot's graph: like sim.launch.py it runs
+on domain_id (default 42, or the ROS_DOMAIN_ID already set) and discovery_range (default LOCALHOST, or the
+ROS_AUTOMATIC_DISCOVERY_RANGE already set).
 """
+import os
+
 from launch import LaunchDescription
-from launch.actions import DeclareLaunchArgument, ExecuteProcess, IncludeLaunchDescription
+from launch.actions import DeclareLaunchArgument, ExecuteProcess, IncludeLaunchDescription, SetEnvironmentVariable
 from launch.launch_description_sources import PythonLaunchDescriptionSource
 from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
 from launch_ros.substitutions import FindPackageShare
+
+from tensegrity_ros.isolation import DEMO_DOMAIN_ID, isolated_env
 
 PACKAGE = "tensegrity_ros"
 
 
 def _share(*parts):
     return PathJoinSubstitution([FindPackageShare(PACKAGE), *parts])
+
+
+def _isolation():
+    """domain_id / discovery_range arguments and the SetEnvironmentVariable actions that apply them to every
+    process started after them (put them before the first Node). Defaults: the user's ROS_DOMAIN_ID /
+    ROS_AUTOMATIC_DISCOVERY_RANGE if set, else the demo domain and LOCALHOST (tensegrity_ros.isolation)."""
+    env = isolated_env(os.environ)
+    return [
+        DeclareLaunchArgument("domain_id", default_value=env["ROS_DOMAIN_ID"],
+                              description=f"ROS_DOMAIN_ID of the simulated graph (default {DEMO_DOMAIN_ID} "
+                                          "unless ROS_DOMAIN_ID is set): keep it off the real robots' domains"),
+        DeclareLaunchArgument("discovery_range", default_value=env["ROS_AUTOMATIC_DISCOVERY_RANGE"],
+                              description="ROS_AUTOMATIC_DISCOVERY_RANGE: LOCALHOST (default unless set) | SUBNET "
+                                          "| OFF | SYSTEM_DEFAULT"),
+        SetEnvironmentVariable("ROS_DOMAIN_ID", LaunchConfiguration("domain_id")),
+        SetEnvironmentVariable("ROS_AUTOMATIC_DISCOVERY_RANGE", LaunchConfiguration("discovery_range")),
+    ]
 
 
 def generate_launch_description():
@@ -39,4 +64,4 @@ def generate_launch_description():
                           "reference_file": LaunchConfiguration("reference_file"),
                           "mocap_topic": LaunchConfiguration("mocap_topic"), "use_sim_time": "true",
                           "record": LaunchConfiguration("record"), "bag_path": LaunchConfiguration("bag_path")}.items())
-    return LaunchDescription(arguments + [play, graph])
+    return LaunchDescription(_isolation() + arguments + [play, graph])

@@ -7,13 +7,21 @@ mocap_ingest + online_identifier + state_predictor.
 sim_robot perturbs the nominal model by perturb_fraction (config/nodes/sim_robot.yaml) to make the true
 robot, unless true_model_file is given. The driver runs with bus=real on the pty link that sim_robot
 creates (link_path in config/nodes/sim_robot.yaml = port in config/nodes/dynamixel_driver_sim.yaml).
+
+No cross-talk with a real robot: every process runs on ROS_DOMAIN_ID=domain_id (default 42, or the
+ROS_DOMAIN_ID already set) with ROS_AUTOMATIC_DISCOVERY_RANGE=discovery_range (default LOCALHOST, or the
+value already set), e.g. `domain_id:=7 discovery_range:=SUBNET` to watch it from another machine.
 """
+import os
+
 from launch import LaunchDescription
-from launch.actions import DeclareLaunchArgument, IncludeLaunchDescription, TimerAction
+from launch.actions import DeclareLaunchArgument, IncludeLaunchDescription, SetEnvironmentVariable, TimerAction
 from launch.launch_description_sources import PythonLaunchDescriptionSource
 from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
 from launch_ros.actions import Node
 from launch_ros.substitutions import FindPackageShare
+
+from tensegrity_ros.isolation import DEMO_DOMAIN_ID, isolated_env
 
 PACKAGE = "tensegrity_ros"
 
@@ -24,6 +32,23 @@ def _share(*parts):
 
 def _config(name):
     return _share("config", "nodes", name)
+
+
+def _isolation():
+    """domain_id / discovery_range arguments and the SetEnvironmentVariable actions that apply them to every
+    process started after them (put them before the first Node). Defaults: the user's ROS_DOMAIN_ID /
+    ROS_AUTOMATIC_DISCOVERY_RANGE if set, else the demo domain and LOCALHOST (tensegrity_ros.isolation)."""
+    env = isolated_env(os.environ)
+    return [
+        DeclareLaunchArgument("domain_id", default_value=env["ROS_DOMAIN_ID"],
+                              description=f"ROS_DOMAIN_ID of the simulated graph (default {DEMO_DOMAIN_ID} "
+                                          "unless ROS_DOMAIN_ID is set): keep it off the real robots' domains"),
+        DeclareLaunchArgument("discovery_range", default_value=env["ROS_AUTOMATIC_DISCOVERY_RANGE"],
+                              description="ROS_AUTOMATIC_DISCOVERY_RANGE: LOCALHOST (default unless set) | SUBNET "
+                                          "| OFF | SYSTEM_DEFAULT"),
+        SetEnvironmentVariable("ROS_DOMAIN_ID", LaunchConfiguration("domain_id")),
+        SetEnvironmentVariable("ROS_AUTOMATIC_DISCOVERY_RANGE", LaunchConfiguration("discovery_range")),
+    ]
 
 
 def generate_launch_description():
@@ -49,4 +74,4 @@ def generate_launch_description():
                           "mocap_topic": "/mocap/markers", "use_sim_time": "false",
                           "record": LaunchConfiguration("record"), "bag_path": LaunchConfiguration("bag_path")}.items())
     # the driver opens the pty that sim_robot links: give sim_robot a head start
-    return LaunchDescription(arguments + [sim, TimerAction(period=3.0, actions=[driver]), graph])
+    return LaunchDescription(_isolation() + arguments + [sim, TimerAction(period=3.0, actions=[driver]), graph])

@@ -52,7 +52,12 @@ def test_node_topics_service_and_torque_off(rclpy_context, ros_executor, make_no
         assert len(states[-1].velocity) == 6 and len(states[-1].effort) == 6
         assert spin_until(ros_executor, lambda: bool(diags), timeout=5.0)
         keys = {kv.key for kv in diags[-1].status[0].values}
-        assert {"loop_rate_hz", "missed_cycles", "motor_1"} <= keys
+        assert {"loop_rate_hz", "missed_cycles", "motor_1", "topic_commands", "command_publishers"} <= keys
+        # one commander: its commands are taken, and /diagnostics names it (see test_driver_isolation.py for two)
+        assert node.command_publishers.accept and node.command_publishers.publishers == ("/probe",)
+        assert node.refused_commands == 0
+        assert spin_until(ros_executor, lambda: {kv.key: kv.value for kv in diags[-1].status[0].values}.get(
+            "command_publishers") == "/probe", timeout=5.0)
 
         from tensegrity_ros.srv import SetCommandSource
         cli = probe.create_client(SetCommandSource, "/dynamixel_driver/set_command_source")

@@ -7,12 +7,19 @@
   launch) is declared by that node (its module's PARAMS table; the driver's declarations are read from its
   source);
 * every LaunchConfiguration is declared, every argument passed to an included file is declared there;
-* the record option is `ros2 bag record -s mcap -a`; every config/nodes/*.yaml only sets declared parameters.
+* the record option is `ros2 bag record -s mcap -a`; every config/nodes/*.yaml only sets declared parameters;
+* no cross-talk with a real robot: sim/replay set ROS_DOMAIN_ID and ROS_AUTOMATIC_DISCOVERY_RANGE (launch
+  arguments domain_id / discovery_range, defaults from tensegrity_ros.isolation) before any node starts,
+  manipulator/graph do not. These run generate_launch_description() with `launch`/`launch_ros` replaced by
+  recorders, to see the actions in their real order.
 """
 from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
+import sys
+import types
 from pathlib import Path
 from typing import Dict, List, Optional, Set
 
@@ -210,3 +217,120 @@ def test_mocap_topic_is_remappable(launch_files):
     remaps = _kw(ingest, "remappings")
     assert remaps is not None and lf.value(remaps.elts[0].elts[0]) == "/mocap/markers"
     assert "mocap_topic" in launch_files["manipulator.launch.py"].declared_arguments()
+
+
+# ---- no cross-talk with a real robot: simulated graphs run isolated, the real one does not ---------------------
+ISOLATION_VARS = ("ROS_DOMAIN_ID", "ROS_AUTOMATIC_DISCOVERY_RANGE")
+STARTERS = {"Node", "ExecuteProcess", "IncludeLaunchDescription", "TimerAction", "GroupAction"}
+
+
+class _Recorded:
+    """Stand-in for a launch class: keeps its arguments."""
+
+    kind = ""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    def __repr__(self):
+        return f"{self.kind}{self.args}"
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (_Recorded,), {"kind": name})
+
+
+def _run_launch_file(path: Path, monkeypatch, environ: Dict[str, str]):
+    """generate_launch_description() of a launch file with `launch`/`launch_ros` replaced by recorders and
+    os.environ = environ (minus the isolation variables unless given): the actions, in order."""
+    for mod in ("launch", "launch.actions", "launch.conditions", "launch.launch_description_sources",
+                "launch.substitutions", "launch_ros", "launch_ros.actions", "launch_ros.substitutions"):
+        monkeypatch.setitem(sys.modules, mod, _StubModule(mod))
+    for var in ISOLATION_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for k, v in environ.items():
+        monkeypatch.setenv(k, v)
+    spec = importlib.util.spec_from_file_location(path.stem.replace(".", "_"), path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    desc = mod.generate_launch_description()
+    assert desc.kind == "LaunchDescription"
+    return list(desc.args[0])
+
+
+def _set_env(actions) -> Dict[str, object]:
+    return {a.args[0]: a.args[1] for a in actions if a.kind == "SetEnvironmentVariable"}
+
+
+def _defaults(actions) -> Dict[str, object]:
+    return {a.args[0]: a.kwargs.get("default_value") for a in actions if a.kind == "DeclareLaunchArgument"}
+
+
+@pytest.mark.parametrize("name", ["sim.launch.py", "replay.launch.py"])
+def test_simulated_graphs_set_domain_and_localhost_before_any_node(name, monkeypatch):
+    from tensegrity_ros.isolation import DEMO_DOMAIN_ID
+
+    actions = _run_launch_file(ROOT / "launch" / name, monkeypatch, {})
+    kinds = [a.kind for a in actions]
+    first_start = min(i for i, k in enumerate(kinds) if k in STARTERS)
+    sets = {a.args[0]: i for i, a in enumerate(actions) if a.kind == "SetEnvironmentVariable"}
+    assert set(ISOLATION_VARS) <= set(sets), f"{name} does not set {ISOLATION_VARS}: {kinds}"
+    assert all(sets[v] < first_start for v in ISOLATION_VARS), f"{name}: set after a node starts: {kinds}"
+    # the values are the launch arguments, declared before they are applied, defaulting to domain 42 + LOCALHOST
+    env = _set_env(actions)
+    assert env["ROS_DOMAIN_ID"].kind == "LaunchConfiguration" and env["ROS_DOMAIN_ID"].args == ("domain_id",)
+    assert env["ROS_AUTOMATIC_DISCOVERY_RANGE"].args == ("discovery_range",)
+    declared = {a.args[0]: i for i, a in enumerate(actions) if a.kind == "DeclareLaunchArgument"}
+    assert declared["domain_id"] < sets["ROS_DOMAIN_ID"] and declared["discovery_range"] < sets[
+        "ROS_AUTOMATIC_DISCOVERY_RANGE"]
+    assert _defaults(actions)["domain_id"] == str(DEMO_DOMAIN_ID) == "42"
+    assert _defaults(actions)["discovery_range"] == "LOCALHOST"
+
+
+@pytest.mark.parametrize("name", ["sim.launch.py", "replay.launch.py"])
+def test_simulated_graphs_respect_an_explicit_user_setting(name, monkeypatch):
+    actions = _run_launch_file(ROOT / "launch" / name, monkeypatch,
+                               {"ROS_DOMAIN_ID": "7", "ROS_AUTOMATIC_DISCOVERY_RANGE": "SUBNET"})
+    assert _defaults(actions)["domain_id"] == "7" and _defaults(actions)["discovery_range"] == "SUBNET"
+    actions = _run_launch_file(ROOT / "launch" / name, monkeypatch, {"ROS_DOMAIN_ID": "3"})
+    assert _defaults(actions)["domain_id"] == "3" and _defaults(actions)["discovery_range"] == "LOCALHOST"
+
+
+@pytest.mark.parametrize("name", ["manipulator.launch.py", "graph.launch.py"])
+def test_real_robot_launch_does_not_force_localhost_or_a_domain(name, monkeypatch):
+    """The real robot's graph (and graph.launch.py, which it includes) keeps the environment's settings:
+    the mocap and the operator's machines must reach it."""
+    actions = _run_launch_file(ROOT / "launch" / name, monkeypatch, {})
+    assert not set(_set_env(actions)) & set(ISOLATION_VARS), name
+    assert "LOCALHOST" not in (ROOT / "launch" / name).read_text()
+    assert any(a.kind in STARTERS for a in actions)
+
+
+def test_isolated_env_defaults_and_precedence():
+    from tensegrity_ros.isolation import DEMO_DOMAIN_ID, LOCALHOST_ONLY_ENV, isolated_env
+
+    assert isolated_env({}) == {"ROS_DOMAIN_ID": str(DEMO_DOMAIN_ID), **LOCALHOST_ONLY_ENV}
+    assert LOCALHOST_ONLY_ENV == {"ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST"}
+    user = {"ROS_DOMAIN_ID": "7", "ROS_AUTOMATIC_DISCOVERY_RANGE": "subnet"}
+    assert isolated_env(user) == {"ROS_DOMAIN_ID": "7", "ROS_AUTOMATIC_DISCOVERY_RANGE": "SUBNET"}
+    assert user["ROS_DOMAIN_ID"] == "7" and user["ROS_AUTOMATIC_DISCOVERY_RANGE"] == "subnet"   # not modified
+    assert isolated_env(user, domain_id=12, discovery_range="OFF") == {
+        "ROS_DOMAIN_ID": "12", "ROS_AUTOMATIC_DISCOVERY_RANGE": "OFF"}
+    assert isolated_env({"ROS_DOMAIN_ID": " ", "ROS_AUTOMATIC_DISCOVERY_RANGE": ""})["ROS_DOMAIN_ID"] == "42"
+    assert isolated_env({"ROS_DOMAIN_ID": "0"})["ROS_DOMAIN_ID"] == "0"   # an explicit 0 is the user's choice
+    for bad in ({"ROS_DOMAIN_ID": "robot"}, {"ROS_DOMAIN_ID": "233"}, {"ROS_AUTOMATIC_DISCOVERY_RANGE": "LAN"}):
+        with pytest.raises(ValueError, match="ROS_"):
+            isolated_env(bad)
+    with pytest.raises(ValueError, match="domain_id"):
+        isolated_env({}, domain_id=-1)
+
+
+def test_isolation_module_is_rclpy_free():
+    src = (ROOT / "tensegrity_ros" / "isolation.py").read_text()
+    imported = {n.module if isinstance(n, ast.ImportFrom) else a.name
+                for n in ast.walk(ast.parse(src)) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in (n.names if isinstance(n, ast.Import) else [None])}
+    assert imported <= {"__future__", "typing"}, imported

@@ -17,6 +17,9 @@ actuator's ``direction``/``zero_offset``/``spool_radius`` belong to the string m
 
 :class:`RateScheduler` is a fixed-rate loop helper with absolute deadlines (no drift), measuring
 the period jitter and the missed cycles.
+
+:func:`check_command_publishers` is the rule the node applies to ``/tensegrity/motor_commands``: topic
+commands are refused while more than one node publishes them.
 """
 from __future__ import annotations
 
@@ -254,6 +257,45 @@ def make_bus(config: BusConfig, actuators: Sequence, emulator_options: Optional[
                              silent_ids=set(int(i) for i in faults.get("silent_ids") or ()))
     emu = EmulatedBus(list(motors), motors, baud=config.baud, link_path=config.port or None, faults=faults, **opts)
     return DynamixelBus(emu.port, config.baud, motors, **common), emu
+
+
+# ---- who may command the motors --------------------------------------------------------------------------
+COMMANDS_TOPIC = "/tensegrity/motor_commands"
+#: the node name rmw reports for an endpoint whose participant has not (yet) said which node it is
+UNKNOWN_NODE_MARK = "_NODE_NAME_UNKNOWN_"
+
+
+@dataclass(frozen=True)
+class PublisherCheck:
+    """Whether the driver takes topic commands, given the nodes that publish them."""
+
+    accept: bool
+    publishers: Tuple[str, ...]   # the publishing nodes, sorted (an unknown node once per publisher)
+    reason: str = ""              # why they are refused ("" when accepted)
+
+
+def check_command_publishers(publishers: Sequence[str], topic: str = COMMANDS_TOPIC) -> PublisherCheck:
+    """Accept topic commands only while at most one node publishes them.
+
+    ``publishers``: the node name (e.g. ``/ns/name``) of each publisher on ``topic``, one entry per
+    publisher, as the ROS graph reports them. A node with several publishers counts once; publishers
+    whose node is unknown (empty, or rmw's ``_NODE_NAME_UNKNOWN_``: a non-ROS DDS writer, or one still
+    being discovered) each count as a node of their own, since they cannot be told apart. Two or more
+    nodes: refused, the reason naming them (two commanders, or a simulation that joined a real robot's
+    graph, must not take turns on the motors). None or one: accepted.
+    """
+    known, unknown = set(), []
+    for p in publishers:
+        p = (p or "").strip()
+        if not p or UNKNOWN_NODE_MARK in p:
+            unknown.append(p or "?")
+        else:
+            known.add(p)
+    names = tuple(sorted(known)) + tuple(unknown)
+    if len(names) <= 1:
+        return PublisherCheck(True, names)
+    return PublisherCheck(False, names, f"{len(names)} nodes publish {topic} ({', '.join(names)}): topic commands "
+                                        "refused until only one does")
 
 
 # ---- command sources ------------------------------------------------------------------------------------

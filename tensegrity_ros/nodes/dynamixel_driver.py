@@ -19,6 +19,13 @@ rad/s, effort = motor current A) every cycle and ``/diagnostics`` (diagnostic_ms
 1 Hz: loop rate, missed cycles, jitter, per-motor error counters, hardware errors); subscribes
 ``/tensegrity/motor_commands`` (JointState: goal motor angles by name, rad).
 
+One commander at a time: while more than one node publishes ``/tensegrity/motor_commands`` (checked every
+second and whenever the publisher count changes), topic commands are refused
+(:func:`~tensegrity_ros.hardware.driver_core.check_command_publishers`): the motors keep the last accepted
+command until the watchdog holds them, a throttled warning names the nodes and ``/diagnostics`` reports
+ERROR (WARN when the command source is not ``topic``) with them under ``command_publishers``. Commands are
+taken again as soon as a single publisher remains. The driver subscribes to no motor plan topic.
+
 The control loop runs in its own thread on a :class:`RateScheduler` (absolute deadlines). Torque
 goes off in ``destroy_node``, on SIGINT/SIGTERM (handled here, not by rclpy) and on any exception
 in the loop (the node then reports ERROR in diagnostics and ``main`` exits with status 1).
@@ -38,8 +45,9 @@ from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy, HistoryPolicy
 from sensor_msgs.msg import JointState
 
-from ..hardware.driver_core import (COMMAND_SOURCES, BusConfig, DriverCore, DriverStats, MotorStates,
-                                    RateScheduler, load_bus_config, make_bus, resolve_actuators)
+from ..hardware.driver_core import (COMMAND_SOURCES, COMMANDS_TOPIC, BusConfig, DriverCore, DriverStats, MotorStates,
+                                    PublisherCheck, RateScheduler, check_command_publishers, load_bus_config,
+                                    make_bus, resolve_actuators)
 from ..hardware.dynamixel.bus import SDK_BAUDS
 from ..hardware.dynamixel.errors import DynamixelError
 
@@ -49,7 +57,7 @@ except Exception:  # pragma: no cover - interfaces not built
     SetCommandSource = None
 
 STATES_TOPIC = "/tensegrity/motor_states"
-COMMANDS_TOPIC = "/tensegrity/motor_commands"
+PUBLISHER_CHECK_PERIOD_S = 1.0   # how often the publishers of COMMANDS_TOPIC are listed
 
 
 def _descriptor(text: str, *, fmin: Optional[float] = None, fmax: Optional[float] = None,
@@ -75,6 +83,9 @@ class DynamixelDriverNode(Node):
         self._last_diag = 0.0
         self._last_stats: Optional[DriverStats] = None
         self._destroyed = False
+        self._publisher_check = PublisherCheck(True, ())
+        self._publisher_count = 0
+        self.refused_commands = 0
 
         cfg_path = self.declare_parameter(
             "bus_config", "", _descriptor("bus YAML whose values are the defaults of the other parameters",
@@ -107,6 +118,8 @@ class DynamixelDriverNode(Node):
         self._pub_states = self.create_publisher(JointState, STATES_TOPIC, qos)
         self._pub_diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._sub = self.create_subscription(JointState, COMMANDS_TOPIC, self._on_command, qos)
+        self.refresh_command_publishers()
+        self._publisher_timer = self.create_timer(PUBLISHER_CHECK_PERIOD_S, self.refresh_command_publishers)
         self._srv = None
         if SetCommandSource is not None:
             self._srv = self.create_service(SetCommandSource, "~/set_command_source", self._on_set_source)
@@ -176,10 +189,37 @@ class DynamixelDriverNode(Node):
 
         return reference
 
+    # ---- one commander at a time ----------------------------------------------------------------------
+    @property
+    def command_publishers(self) -> PublisherCheck:
+        """The last verdict on the publishers of the command topic (accept, node names, reason)."""
+        return self._publisher_check
+
+    def refresh_command_publishers(self) -> PublisherCheck:
+        """List the nodes publishing the command topic, decide, and log when the verdict changes."""
+        topic = self._sub.topic_name
+        infos = self.get_publishers_info_by_topic(topic)
+        names = [f"{i.node_namespace.rstrip('/')}/{i.node_name}" for i in infos]
+        check = check_command_publishers(names, topic)
+        prev, self._publisher_check, self._publisher_count = self._publisher_check, check, len(infos)
+        if not check.accept and (prev.accept or prev.publishers != check.publishers):
+            self.get_logger().error(check.reason)
+        elif check.accept and not prev.accept:
+            who = check.publishers[0] if check.publishers else "none"
+            self.get_logger().info(f"topic commands on {topic} accepted again (publisher: {who})")
+        return check
+
     # ---- ROS callbacks ----------------------------------------------------------------------------
     def _on_command(self, msg: JointState) -> None:
         core = self._core
         if core is None:
+            return
+        if self.count_publishers(self._sub.topic_name) != self._publisher_count:   # cheap; names only on change
+            self.refresh_command_publishers()
+        if not self._publisher_check.accept:
+            self.refused_commands += 1
+            self.get_logger().warn(f"motor command ignored: {self._publisher_check.reason}",
+                                   throttle_duration_sec=5.0)
             return
         stamp = core.clock()
         if msg.header.stamp.sec or msg.header.stamp.nanosec:  # drop commands that were already stale
@@ -280,11 +320,19 @@ class DynamixelDriverNode(Node):
             st.level, st.message = DiagnosticStatus.WARN, f"state {stats.state}, read failures {stats.read_failures}"
         else:
             st.level, st.message = DiagnosticStatus.OK, f"running at {stats.loop_rate_hz:.1f} Hz"
+        check = self._publisher_check
+        if not check.accept:
+            level = DiagnosticStatus.ERROR if stats.command_source == "topic" else DiagnosticStatus.WARN
+            st.message = check.reason if st.level == DiagnosticStatus.OK else f"{check.reason}; {st.message}"
+            st.level = max(st.level, level)
         kv = [("state", stats.state), ("command_source", stats.command_source),
               ("loop_rate_hz", f"{stats.loop_rate_hz:.2f}"), ("cycles", str(stats.cycles)),
               ("missed_cycles", str(stats.missed_cycles)), ("period_median_ms", f"{stats.period_median_s * 1e3:.3f}"),
               ("period_p99_ms", f"{stats.period_p99_s * 1e3:.3f}"),
-              ("jitter_p99_ms", f"{stats.jitter_p99_s * 1e3:.3f}")]
+              ("jitter_p99_ms", f"{stats.jitter_p99_s * 1e3:.3f}"),
+              ("topic_commands", "accepted" if check.accept else "refused"),
+              ("command_publishers", ", ".join(check.publishers) or "none"),
+              ("refused_commands", str(self.refused_commands))]
         for i, c in sorted(stats.motor_counters.items()):
             kv.append((f"motor_{i}", " ".join(f"{k}={v}" for k, v in c.items())))
         for i, b in sorted(stats.hardware_errors.items()):
