@@ -147,8 +147,12 @@ $(MSGS_STAMP): $(MSGS_FORCE) | $(DEPS_STAMP) $(EDIT_STAMP)
 	@mkdir -p "$(STAMPS)" && rm -f "$(STAMPS)"/msgs-* && touch "$@"
 
 # --- everyday targets ----------------------------------------------------------
+# A hang is a failure with a stack dump, never a silent wait: pytest-timeout ends a test that runs past
+# TEST_TIMEOUT_S (thread method: every thread's stack, then exit 1); test/conftest.py fails the session if
+# threads or child processes outlive it, and dumps the stacks if the interpreter does not exit within 60 s.
+TEST_TIMEOUT_S ?= 600
 test: setup
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider test
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT_S) --timeout-method=thread test
 
 demo: setup
 	$(VENV)/bin/tensegrity demo

@@ -121,3 +121,76 @@ def make_node(rclpy_context, ros_executor):
 @pytest.fixture(name="spin_until")
 def _spin_until_fixture():
     return spin_until
+
+
+# --- the session must end: no hang after the summary, nothing left running ------------------------------------
+#: seconds the interpreter may take to exit after the session; then every thread's stack is dumped and the run
+#: fails (a hang in an atexit hook once kept `make test` alive after "318 passed")
+EXIT_WATCHDOG_S = float(os.environ.get("TENSEGRITY_TEST_EXIT_WATCHDOG_S", "60"))
+
+
+def _child_pids() -> list:
+    """Live (non-zombie) child processes of this process, from /proc."""
+    import glob
+
+    pids = []
+    for f in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        try:
+            pids += [int(p) for p in open(f).read().split()]
+        except OSError:
+            pass
+    live = []
+    for pid in sorted(set(pids)):
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state == "Z":
+            continue
+        try:
+            cmd = open(f"/proc/{pid}/cmdline").read()
+        except OSError:
+            continue
+        if "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd:
+            continue   # multiprocessing's own helper: it ends when this interpreter closes its pipe
+        live.append(pid)
+    return live
+
+
+def leftovers(grace_s: float = 2.0):
+    """(non-daemon threads other than the main one, live child pids) still there after ``grace_s`` s."""
+    import threading
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        threads = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()
+                   and not t.daemon]
+        children = _child_pids()
+        if (not threads and not children) or time.monotonic() >= deadline:
+            return threads, children
+        time.sleep(0.05)
+
+
+def pytest_configure(config):  # noqa: ARG001
+    import faulthandler
+    import signal
+
+    faulthandler.enable()
+    faulthandler.register(signal.SIGTERM, chain=True)   # `timeout` in .ci/run: stacks before the kill
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
+    import faulthandler
+    import sys
+
+    threads, children = leftovers()
+    if threads or children:
+        lines = [f"thread {t.name!r} (non-daemon)" for t in threads] + \
+            [f"child process {pid}: {open(f'/proc/{pid}/cmdline').read().replace(chr(0), ' ')[:120]!r}"
+             for pid in children if os.path.exists(f"/proc/{pid}/cmdline")]
+        sys.stderr.write("\nsession-end check FAILED: still running 2 s after the last test:\n  " +
+                         "\n  ".join(lines) + "\n")
+        faulthandler.dump_traceback(all_threads=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    # whatever hangs from here on (atexit hooks, interpreter teardown) ends in a stack dump and exit 1
+    faulthandler.dump_traceback_later(EXIT_WATCHDOG_S, exit=True)

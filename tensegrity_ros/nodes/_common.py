@@ -1048,99 +1048,10 @@ def params_with_set(template, ps: ParameterSet):
 
 
 # =====================================================================================================
-# compute workers and BLAS threads
+# compute workers and BLAS threads: rclpy-free, in :mod:`tensegrity_ros.workers`
 # =====================================================================================================
-def limit_blas_threads(n: int = 1) -> List[str]:
-    """Set the thread count of every OpenBLAS loaded in this process (numpy's and scipy's bundled copies).
-
-    The nodes' linear algebra is small (6x6 solves in the mocap filter, 108x108 matrix-vector products in the
-    predictor); a BLAS thread pool only adds wake-ups, and on a busy machine a small solve then takes
-    milliseconds instead of 12 us (measured: scipy solve_triangular 6x6, 83 us with 2 threads vs 12 us with 1
-    on an idle machine, 16 ms under load). Also sets OPENBLAS_NUM_THREADS for processes started later.
-    Returns the libraries changed."""
-    import ctypes
-    import os
-
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(n))
-    done = []
-    try:
-        with open("/proc/self/maps") as f:
-            paths = sorted({line.split()[-1] for line in f if "openblas" in line.lower() and ".so" in line})
-    except OSError:
-        return done
-    for path in paths:
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for sym in ("openblas_set_num_threads", "openblas_set_num_threads64_", "scipy_openblas_set_num_threads64_",
-                    "scipy_openblas_set_num_threads"):
-            fn = getattr(lib, sym, None)
-            if fn is not None:
-                fn(ctypes.c_int(int(n)))
-                done.append(path)
-                break
-    return done
-
-
-WORKER_KINDS = ("process", "thread")
-
-
-def make_worker(kind: str, initializer: Optional[Callable] = None, initargs: tuple = ()):
-    """One-worker executor for heavy compute (identification, relinearisation).
-
-    ``process`` (default in the nodes): a spawned child process, so its Python work never holds the GIL
-    of the process that runs the callbacks (in the one-process graph that includes the driver's control
-    loop); ``thread``: a thread in this process (debugging, tests). ``initializer(*initargs)`` runs once
-    in the worker.
-    """
-    from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-
-    if kind not in WORKER_KINDS:
-        raise ValueError(f"worker {kind!r} (valid: {', '.join(WORKER_KINDS)})")
-    if kind == "thread":
-        return ThreadPoolExecutor(max_workers=1, initializer=initializer, initargs=initargs)
-    import multiprocessing
-
-    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=initializer, initargs=initargs)
-
-
-def stop_worker(pool, wait: bool = True) -> None:
-    """Shut a :func:`make_worker` executor down without waiting for a running job: a process worker is
-    terminated, a thread worker finishes its job (``wait``)."""
-    procs = list(getattr(pool, "_processes", None) and pool._processes.values() or ())
-    pool.shutdown(wait=False, cancel_futures=True)
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
-        proc.join(timeout=5.0)
-    if wait and not procs:
-        pool.shutdown(wait=True)
-
-
-def worker_pid() -> int:
-    """A trivial job: starting a worker (and paying its imports) before the data flows."""
-    import os
-    return os.getpid()
-
-
-def worker_init(torch_threads: int = 1, nice: int = 0) -> None:
-    """Initializer of compute workers: torch threads, and a lower priority for background work."""
-    import os
-
-    if nice:
-        try:
-            os.nice(nice)
-        except OSError:
-            pass
-    limit_blas_threads(1)
-    try:
-        import torch
-        torch.set_num_threads(int(torch_threads))
-    except ImportError:  # pragma: no cover
-        pass
+from ..workers import (WORKER_KINDS, WorkerStopped, limit_blas_threads, make_worker, stop_worker,  # noqa: E402,F401
+                       worker_init, worker_pid)
 
 
 # =====================================================================================================

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -460,8 +460,9 @@ class OnlineIdentifierNode(C.GraphNode):
         self._pool = C.make_worker(p["worker"], C.worker_init,
                                    (p["torch_threads"], p["worker_nice"] if p["worker"] == "process" else 0))
         self.worker_pid = self._pool.submit(C.worker_pid).result()   # start it (imports) before data flows
-        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="online-identifier")
-        self._future: Optional[Future] = None
+        # the update in flight: a daemon thread that waits on the worker (never blocks the interpreter's exit;
+        # the worker's future always settles, see tensegrity_ros.workers)
+        self._updating: Optional[threading.Thread] = None
         self._closing = False
 
         self.pub = self.counting_publisher(IdentifiedParameters, C.TOPICS["identified_parameters"], C.LATCHED_QOS)
@@ -498,7 +499,7 @@ class OnlineIdentifierNode(C.GraphNode):
 
     # ---- updates ----------------------------------------------------------------------------------------
     def _on_timer(self) -> None:
-        if self._future is not None and not self._future.done():
+        if self._updating is not None and self._updating.is_alive():
             self.stats["skipped_busy"] += 1
             return
         # duty cycle: after an update that took T, rest T (1/duty - 1) so the worker leaves CPU to the rest
@@ -510,10 +511,11 @@ class OnlineIdentifierNode(C.GraphNode):
         if snap is None:
             self.stats["skipped_short"] += 1
             return
-        try:
-            self._future = self._waiter.submit(self._update, snap)
-        except RuntimeError:   # shutting down
-            pass
+        if self._closing:
+            return
+        self._updating = threading.Thread(target=self._update, args=(snap,), name="online-identifier-update",
+                                          daemon=True)
+        self._updating.start()
 
     def run_update(self, times, positions, valid, motors, timeout: Optional[float] = None):
         """One identification over the given window, in the worker; returns (candidate, params or None)."""
@@ -679,19 +681,18 @@ class OnlineIdentifierNode(C.GraphNode):
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Block until the running update (if any) has finished (tests, shutdown)."""
-        f = self._future
-        if f is None:
+        t = self._updating
+        if t is None:
             return True
-        try:
-            f.result(timeout=timeout)
-        except Exception:
-            pass
-        return f.done()
+        t.join(timeout)
+        return not t.is_alive()
 
     def destroy_node(self):
         self._closing = True
-        self._waiter.shutdown(wait=False, cancel_futures=True)
-        C.stop_worker(self._pool)
+        C.stop_worker(self._pool)      # settles the update's future: its thread ends
+        t = self._updating
+        if t is not None and t is not threading.current_thread():
+            t.join(1.0)
         return super().destroy_node()
 
 

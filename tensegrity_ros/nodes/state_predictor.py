@@ -1141,9 +1141,9 @@ class StatePredictorNode(C.GraphNode):
     def destroy_node(self):
         self._stop.set()
         self._wake.set()
-        C.stop_worker(self._pool)
+        C.stop_worker(self._pool)       # settles a relinearisation in flight (WorkerStopped): the thread ends
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=1.0)
         return super().destroy_node()
 
 
