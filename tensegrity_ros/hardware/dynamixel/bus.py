@@ -31,6 +31,7 @@ import concurrent.futures
 import logging
 import math
 import os
+import select
 import queue
 import threading
 import time
@@ -96,20 +97,34 @@ def read_latency_timer_ms(port: str) -> Optional[int]:
 
 
 class _PortHandler(sdk.PortHandler):
-    """The SDK's PortHandler with the receive timeout computed from the real latency timer.
+    """The SDK's PortHandler with two changes; every byte still goes through the SDK's packet handler.
 
-    The SDK assumes a 16 ms FTDI latency timer (timeout = bytes + 2*16 + 2 ms). With the timer set
-    to 1 ms that wastes ~30 ms per lost packet, i.e. several 80 Hz cycles; only the timeout
-    arithmetic changes, every byte still goes through the SDK.
+    * The receive timeout is computed from the real latency timer (``latency_ms``; None = the SDK's 16 ms).
+      The SDK assumes a 16 ms FTDI latency timer (timeout = bytes + 2*16 + 2 ms); with the timer set to
+      1 ms that wastes ~30 ms per lost packet, i.e. several 80 Hz cycles.
+    * A read with nothing received yet WAITS for bytes (``select`` on the port, at most the packet's remaining
+      timeout) instead of returning empty: the SDK's receive loop calls ``readPort`` back to back until the
+      packet is complete, so with a non-blocking port it spins a core for the whole transaction (profiled in
+      the demo: a quarter of the robot process's samples in that loop). Same bytes, same timeouts, no spin.
     """
 
-    def __init__(self, port_name: str, latency_ms: float):
+    def __init__(self, port_name: str, latency_ms: Optional[float] = None):
         super().__init__(port_name)
-        self.latency_ms = float(latency_ms)
+        self.latency_ms = None if latency_ms is None else float(latency_ms)
 
     def setPacketTimeout(self, packet_length):  # noqa: N802 (SDK naming)
+        if self.latency_ms is None:
+            return super().setPacketTimeout(packet_length)
         self.packet_start_time = self.getCurrentTime()
         self.packet_timeout = (self.tx_time_per_byte * packet_length) + (self.latency_ms * 2.0) + 2.0
+
+    def readPort(self, length):  # noqa: N802 (SDK naming)
+        ser = self.ser
+        if ser.in_waiting == 0 and self.packet_timeout > 0:
+            remaining_ms = self.packet_timeout - self.getTimeSinceStart()
+            if remaining_ms > 0:
+                select.select([ser.fileno()], [], [], remaining_ms * 1e-3)
+        return ser.read(length)
 
 
 class _Owner:
@@ -307,7 +322,7 @@ class DynamixelBus:
             self.warnings.append(msg)
             log.warning(msg)
         latency = self.latency_ms if self.latency_ms is not None else lat
-        port = _PortHandler(self.port, latency) if latency is not None else sdk.PortHandler(self.port)
+        port = _PortHandler(self.port, latency)
         try:
             if not port.openPort():
                 raise PortNotFound(self.port, "openPort() failed")
