@@ -2,7 +2,10 @@
 
 Each subcommand lives in ``tensegrity_ros/commands/<name>.py`` with ``add_arguments(parser)`` and
 ``run(args) -> int``; modules are imported only when their subcommand runs, so ``tensegrity validate``
-does not pay for torch or MuJoCo. Exit codes: 0 success, 2 bad input (with the error on stderr).
+does not pay for torch or MuJoCo. Exit codes: 0 success, 2 bad input (one line on stderr: what, where, how to
+fix), 130 interrupted. Subcommands check every flag and output location before any work, refuse existing
+non-empty outputs unless ``--force`` and write them all at once (see ``commands/_common.py``:
+``check_output_target``, ``atomic_output``), so a failed run leaves nothing behind and destroys nothing.
 """
 from __future__ import annotations
 

@@ -4,38 +4,45 @@ Reads a rosbag2 recording with `rosbags` (no ROS runtime), labels the mocap mark
 through the same ingest entry point as the live `mocap_ingest` node, aligns motor and mocap time, runs the
 two-stage identification and writes PARAMS.yaml: the input structure file with the identified values in
 place and their standard deviations beside them, so every tool loads it. Bad input exits with code 2 and
-writes nothing.
+writes nothing: every flag, the model and the output locations are checked before the bag is read, existing
+outputs are replaced only with ``--force``, and the outputs appear all at once when the run succeeds.
 """
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 
 from . import UserError
-from ._common import load_model, load_mocap_frame, progress_bar
+from ._common import (add_force_argument, atomic_output, check_output_target, finite, load_mocap_frame, load_model,
+                      progress_bar)
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("bag", help="rosbag2 directory (MCAP or sqlite3)")
     parser.add_argument("--model", required=True, help="structure file (YAML) of the recorded robot")
-    parser.add_argument("--out", required=True, help="where to write the identified structure file (YAML)")
-    parser.add_argument("--report", help="folder for plots, a parameter table and summary.json")
+    parser.add_argument("--out", required=True,
+                        help="where to write the identified structure file (YAML); missing folders are created; an "
+                             "existing non-empty file is refused unless --force")
+    parser.add_argument("--report", help="folder for plots, a parameter table and summary.json (default: no report); "
+                                         "an existing non-empty folder is refused unless --force")
+    add_force_argument(parser)
     parser.add_argument("--motor-topic", default="/tensegrity/motor_states")
     parser.add_argument("--markers-topic", default="/mocap/markers")
     parser.add_argument("--commands-topic", default="/tensegrity/motor_commands")
     parser.add_argument("--mocap-frame", default=None,
                         help="YAML with a rough mocap->structure guess (config/mocap/*.yaml); needed to pick one "
                              "labelling of a symmetric structure (default: config/mocap/optitrack_yup.yaml)")
-    parser.add_argument("--stages", default="regression,refine", help="comma-separated: regression, refine")
+    parser.add_argument("--stages", default="regression,refine",
+                        help="comma-separated: regression, refine (default: both)")
     parser.add_argument("--estimate", default="mass,stiffness,damping",
-                        help="parameter kinds estimated (stage 1 and 2)")
+                        help="parameter kinds estimated by stage 1 (default: mass,stiffness,damping; an unknown "
+                             "kind is refused before the bag is read, naming the valid ones)")
     parser.add_argument("--refine-kinds", default="mass,stiffness,damping,rest_length",
-                        help="parameter kinds freed in stage 2")
+                        help="parameter kinds freed in stage 2 (default: mass,stiffness,damping,rest_length)")
     parser.add_argument("--estimate-delay", action="store_true", help="estimate the motor-to-mocap delay")
     parser.add_argument("--max-iter", type=int, default=12, help="stage-2 (Levenberg-Marquardt) iterations")
     parser.add_argument("--max-time", type=float, default=None, help="stage-2 wall-time budget [s]")
@@ -55,7 +62,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prior-std", default="stiffness=0.2,damping=0.2,mass=0.2,rest_length=0.003",
                         help="the model file's uncertainty: Gaussian prior of stage 2 around it, per kind "
                              "(relative; rest_length in m); 'none' = no prior")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    parser.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (default: auto, cuda when present)")
     parser.add_argument("--workers", default="auto",
                         help="processes that share stage 2's windows on a Linux CPU (same result, ~1.5-1.8x faster "
                              "with 2); auto = the usable cores, at most 8")
@@ -64,19 +71,39 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from ..bags import BagError, TopicNames, read_robot_bag
     from ..engine import apply_to_structure
+    from ..engine.params import KIND_NAMES                  # the valid parameter kinds, owned there
     from ..frames import invert_transform
-    from ..ident import IdentifyOptions, identify
+    from ..ident import STAGES, IdentifyOptions, identify
+    from ..ident.regression import REGRESSION_KINDS         # the kinds stage 1 can estimate
     from ..mocap import IngestConfig, LabellerConfig, MocapError, ingest_markers
     from ..model import dump_structure
 
-    structure = load_model(args.model)
-    out = Path(args.out)
-    if not out.parent.is_dir():
-        raise UserError(f"--out {out}: folder {out.parent} does not exist")
-    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
-    prior_std = _prior_std(args.prior_std)          # flags first: a typo fails before minutes of work
+    # Flags first, then the model and the output locations: a typo fails before minutes of work.
+    stages = _kinds("--stages", args.stages, STAGES)
+    estimate = _kinds("--estimate", args.estimate, REGRESSION_KINDS)
+    refine_kinds = _kinds("--refine-kinds", args.refine_kinds, KIND_NAMES)
+    prior_std = _prior_std(args.prior_std, KIND_NAMES)
     longer = _ladder(args.longer_windows)
     workers = _workers(args.workers)
+    if args.max_iter < 0:
+        raise UserError(f"--max-iter {args.max_iter}: expected an integer >= 0 (stage-2 iterations)")
+    if args.windows < 1:
+        raise UserError(f"--windows {args.windows}: expected an integer >= 1")
+    max_time = None if args.max_time is None else finite("--max-time", args.max_time, lo=0, lo_open=True,
+                                                          hint="seconds; leave it out for no budget")
+    window = finite("--window", args.window, lo=0, lo_open=True, hint="seconds, e.g. 0.1")
+    noise_mm = finite("--noise-mm", args.noise_mm, lo=0, lo_open=True, hint="marker noise std in mm, e.g. 1.0")
+    _device(args.device)
+    structure = load_model(args.model)
+    guess = invert_transform(load_mocap_frame(args.mocap_frame).matrix)  # labeller wants mocap -> structure
+    out = check_output_target(args.out, "--out", args.force, kind="file")
+    report = None
+    if args.report:
+        report = check_output_target(args.report, "--report", args.force, kind="dir",
+                                     inputs=(args.bag, args.model, args.mocap_frame))
+        if report == out or report in out.parents:
+            raise UserError(f"--out {args.out}: inside the --report folder {args.report}, which is written as a "
+                            "whole; write the structure file beside it")
     topics = TopicNames(motor_states=args.motor_topic, markers=args.markers_topic,
                         motor_commands=args.commands_topic)
     try:
@@ -87,7 +114,6 @@ def run(args) -> int:
           f"{rec.duration_s:.1f} s")
 
     # ---- markers -> labelled node states (the live node's code path) --------------------------------
-    guess = invert_transform(load_mocap_frame(args.mocap_frame).matrix)  # labeller wants mocap -> structure
     config = IngestConfig(labeller=LabellerConfig(initial_transform=guess))
     t0 = time.perf_counter()
     try:
@@ -103,9 +129,9 @@ def run(args) -> int:
     print(f"labelled {series.valid.mean():.1%} of node samples in {time.perf_counter() - t0:.1f} s")
 
     dataset = _dataset(structure, series, rec)
-    options = IdentifyOptions(estimate=_kinds(args.estimate), refine_kinds=_kinds(args.refine_kinds),
-                              estimate_delay=args.estimate_delay, max_iter=args.max_iter, max_time_s=args.max_time,
-                              window_s=args.window, max_windows=args.windows, noise_std_m=args.noise_mm * 1e-3,
+    options = IdentifyOptions(estimate=estimate, refine_kinds=refine_kinds,
+                              estimate_delay=args.estimate_delay, max_iter=args.max_iter, max_time_s=max_time,
+                              window_s=window, max_windows=args.windows, noise_std_m=noise_mm * 1e-3,
                               prior_std=prior_std, longer_windows=longer, device=args.device, workers=workers)
     iters = args.max_iter + sum(it for _, _, it in longer)
     with progress_bar(iters if "refine" in stages else 1, "identifying") as bar:
@@ -131,10 +157,14 @@ def run(args) -> int:
     header = (f"Identified by `tensegrity identify` from {args.bag} ({rec.duration_s:.1f} s); "
               f"residual RMS {result.residual_rms_m * 1e3:.2f} mm; converged={result.converged}.\n"
               f"Values are in place; std_devs holds their standard deviations.")
-    if args.report:
-        _write_report(Path(args.report), structure, identified, series, rec, dataset, result)
-    dump_structure(identified, out, header=header)
-    print(f"wrote {out}")
+    with ExitStack() as outputs:                    # both appear at the end, or neither does
+        out_tmp = outputs.enter_context(atomic_output(out, "file", args.force, "--out"))
+        rep_tmp = outputs.enter_context(atomic_output(report, "dir", args.force, "--report")) if report else None
+        rms_mm = _write_report(rep_tmp, structure, identified, series, rec, dataset, result) if report else None
+        dump_structure(identified, out_tmp, header=header)
+    if report:
+        print(f"report: {args.report} (1-s prediction RMS {rms_mm:.1f} mm)")
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -186,8 +216,8 @@ class _tick:
         return self.items[k]
 
 
-def _prior_std(text: str):
-    """``kind=value,...`` -> {kind: value}; ``none`` -> {}."""
+def _prior_std(text: str, valid):
+    """``kind=value,...`` -> {kind: value} (kinds among ``valid``, values finite and > 0); ``none`` -> {}."""
     if text.strip().lower() in ("", "none"):
         return {}
     out = {}
@@ -197,10 +227,9 @@ def _prior_std(text: str):
             out[kind.strip()] = float(val)
         except ValueError:
             raise UserError(f"--prior-std: {part!r} is not kind=value (e.g. stiffness=0.2)") from None
-        if kind.strip() not in ("stiffness", "damping", "mass", "rest_length", "spool_radius", "zero_offset") or \
-                not out[kind.strip()] > 0:
-            raise UserError(f"--prior-std: {part!r}: kind must be stiffness, damping, mass, rest_length, "
-                            "spool_radius or zero_offset and the value > 0")
+        if kind.strip() not in valid or not 0 < out[kind.strip()] < float("inf"):
+            raise UserError(f"--prior-std: {part!r}: kind must be one of {', '.join(valid)} and the value a "
+                            "finite number > 0 (e.g. stiffness=0.2)")
     return out
 
 
@@ -218,8 +247,27 @@ def _workers(text: str) -> int:
     return n
 
 
-def _kinds(text: str):
-    return tuple(k.strip() for k in text.split(",") if k.strip())
+def _kinds(flag: str, text: str, valid):
+    """Comma-separated names, each among ``valid`` (the module that owns them), at least one."""
+    names = tuple(k.strip() for k in text.split(",") if k.strip())
+    bad = [k for k in names if k not in valid]
+    if bad or not names:
+        what = f"unknown name(s) {', '.join(map(repr, bad))}" if bad else "no names given"
+        raise UserError(f"{flag} {text!r}: {what}; expected a comma-separated list of {', '.join(valid)}")
+    return names
+
+
+def _device(text: str) -> None:
+    """``auto``, ``cpu`` or ``cuda[:N]`` (only when torch sees a CUDA device)."""
+    import torch
+
+    if text in ("auto", "cpu"):
+        return
+    if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {text}: torch sees no CUDA device here; use --device cpu or auto")
+        return
+    raise UserError(f"--device {text!r}: expected cpu, cuda, cuda:N or auto")
 
 
 def _dataset(structure, series, rec):
@@ -243,36 +291,29 @@ def _dataset(structure, series, rec):
                         actuator_names=tuple(a.name for a in structure.actuators), name=Path(rec.path).name)
 
 
-def _write_report(folder: Path, structure, identified, series, rec, dataset, result) -> None:
-    """Plots, parameter table and summary.json, written to a temporary folder and moved in place."""
+def _write_report(tmp: Path, structure, identified, series, rec, dataset, result) -> float:
+    """Plots, parameter table and summary.json into the (temporary, see atomic_output) folder ``tmp``; returns
+    the 1-s prediction RMS error [mm]."""
     from ..report import parameter_table, plate_motion, plot_convergence, plot_plate_motion, plot_residuals
     from ..report.prediction import horizon_prediction
 
-    tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=folder.parent if folder.parent.exists() else None))
-    try:
-        pred = horizon_prediction(identified, dataset, horizon_s=1.0)
-        measured = plate_motion(structure.node_names, dataset.positions)
-        predicted = plate_motion(structure.node_names, pred)
-        plot_plate_motion(dataset.times, {"measured": (dataset.times, measured), "predicted": (dataset.times, predicted)},
-                          tmp / "plates.png", title=f"{structure.name}: measured vs identified model (1-s predictions)")
-        err = np.linalg.norm(pred - dataset.positions, axis=2)
-        err = np.where(dataset.valid & np.isfinite(err), err, np.nan)
-        seen = np.isfinite(err).any(axis=1)
-        per_frame = np.full(len(err), np.nan)
-        per_frame[seen] = np.sqrt(np.nanmean(err[seen] ** 2, axis=1))
-        plot_residuals(dataset.times, 1e3 * per_frame, tmp / "residuals.png", label="1-s prediction node RMS error")
-        plot_convergence([{**h["params"], "loss": h["loss"]} for h in result.history if "params" in h],
-                         tmp / "convergence.png", x_label="loss evaluation")
-        table = parameter_table({n: v for n, v in result.values().items() if n in result.std_devs},
-                                result.std_devs, result.identifiability)
-        (tmp / "parameters.txt").write_text(result.summary() + "\n\n" + table + "\n")
-        summary = {**result.to_dict(), "bag": str(rec.path), "duration_s": rec.duration_s,
-                   "prediction_1s_rms_mm": float(1e3 * np.sqrt(np.nanmean(err ** 2)))}
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-        print(f"report: {folder} (1-s prediction RMS {summary['prediction_1s_rms_mm']:.1f} mm)")
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+    pred = horizon_prediction(identified, dataset, horizon_s=1.0)
+    measured = plate_motion(structure.node_names, dataset.positions)
+    predicted = plate_motion(structure.node_names, pred)
+    plot_plate_motion(dataset.times, {"measured": (dataset.times, measured), "predicted": (dataset.times, predicted)},
+                      tmp / "plates.png", title=f"{structure.name}: measured vs identified model (1-s predictions)")
+    err = np.linalg.norm(pred - dataset.positions, axis=2)
+    err = np.where(dataset.valid & np.isfinite(err), err, np.nan)
+    seen = np.isfinite(err).any(axis=1)
+    per_frame = np.full(len(err), np.nan)
+    per_frame[seen] = np.sqrt(np.nanmean(err[seen] ** 2, axis=1))
+    plot_residuals(dataset.times, 1e3 * per_frame, tmp / "residuals.png", label="1-s prediction node RMS error")
+    plot_convergence([{**h["params"], "loss": h["loss"]} for h in result.history if "params" in h],
+                     tmp / "convergence.png", x_label="loss evaluation")
+    table = parameter_table({n: v for n, v in result.values().items() if n in result.std_devs},
+                            result.std_devs, result.identifiability)
+    (tmp / "parameters.txt").write_text(result.summary() + "\n\n" + table + "\n")
+    summary = {**result.to_dict(), "bag": str(rec.path), "duration_s": rec.duration_s,
+               "prediction_1s_rms_mm": float(1e3 * np.sqrt(np.nanmean(err ** 2)))}
+    (tmp / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    return summary["prediction_1s_rms_mm"]

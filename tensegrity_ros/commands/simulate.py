@@ -4,16 +4,22 @@ Runs the MuJoCo twin of a structure file driven by the reference sinusoids, writ
 trajectories (NPZ and CSV) and plots like the seed's Figure 6 (positions and ZYX Euler angles of C1 and C2
 relative to C0). With ``--bag`` it also writes a rosbag2 recording as it would come off the robot: motor
 states at 80 Hz and unlabeled, noisy, partly occluded markers at 120 Hz in a Y-up mocap frame.
+
+Every flag, the model, the reference and the output locations are checked before the simulation starts; an
+existing non-empty ``--out`` or ``--bag`` is replaced only with ``--force``, and the outputs appear all at once
+when the run succeeds (nothing is left behind when it fails).
 """
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 
 from . import UserError
-from ._common import load_mocap_frame, load_model
+from ._common import (add_force_argument, atomic_output, check_output_target, finite, load_mocap_frame,
+                      load_model, read_text_file)
 
 DEFAULT_REFERENCE = Path(__file__).resolve().parents[2] / "config" / "references" / "seed_sinusoids.yaml"
 #: The twin is recorded at a rate both sensor rates divide (120 Hz mocap, 80 Hz motors).
@@ -22,8 +28,11 @@ RECORD_HZ = 240.0
 
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="structure file (YAML)")
-    parser.add_argument("--duration", type=float, required=True, help="simulated time [s]")
-    parser.add_argument("--out", required=True, help="output folder (trajectories, plots)")
+    parser.add_argument("--duration", type=float, required=True, help="simulated time [s], finite and > 0")
+    parser.add_argument("--out", required=True,
+                        help="output folder (trajectories, plots); an existing non-empty folder is refused unless "
+                             "--force")
+    add_force_argument(parser)
     parser.add_argument("--reference", default=str(DEFAULT_REFERENCE), help="reference sinusoids (YAML)")
     parser.add_argument("--dt", type=float, default=1e-3, help="twin time step [s]")
     parser.add_argument("--integrator", choices=("RK4", "implicitfast"), default="RK4",
@@ -35,7 +44,8 @@ def add_arguments(parser) -> None:
                              "its model is written to OUT/true_model.yaml")
     parser.add_argument("--seed", type=int, default=0, help="random seed (perturbation, noise, occlusion)")
     bag = parser.add_argument_group("robot bag")
-    bag.add_argument("--bag", help="write a rosbag2 recording here (a directory)")
+    bag.add_argument("--bag", help="write a rosbag2 recording here, a folder (default: none; may lie inside --out); "
+                                   "an existing non-empty folder is refused unless --force")
     bag.add_argument("--storage", choices=("mcap", "sqlite3"), default="mcap")
     bag.add_argument("--noise-mm", type=float, default=1.0, help="marker noise, std [mm]")
     bag.add_argument("--occlusion", type=float, default=0.02, help="probability a marker is missing in a frame")
@@ -51,33 +61,67 @@ def run(args) -> int:
     from ..references import ReferenceConfigError, load_reference, motor_angles, motor_velocities
     from ..twin import simulate
 
-    if args.duration <= 0:
-        raise UserError(f"--duration = {args.duration}: must be > 0")
+    # Flags, inputs and output locations first: a bad one fails before the simulation, and writes nothing.
+    duration = finite("--duration", args.duration, lo=0, lo_open=True, hint="simulated seconds, e.g. 10")
+    dt = finite("--dt", args.dt, lo=0, lo_open=True, hint="twin time step in seconds, e.g. 0.001")
+    finite("--settle", args.settle, lo=0, hint="seconds to settle before recording, e.g. 1")
+    finite("--perturb", args.perturb, lo=0, hint="relative spread of K, c, m, e.g. 0.2")
+    if args.bag:
+        finite("--noise-mm", args.noise_mm, lo=0, hint="marker noise std in mm, e.g. 1")
+        finite("--occlusion", args.occlusion, lo=0, hi=1, hint="a probability")
+        finite("--drop-frames", args.drop_frames, lo=0, hi=1, hint="a probability")
+        finite("--mocap-hz", args.mocap_hz, lo=0, lo_open=True, hi=RECORD_HZ, hint="e.g. 120")
+        finite("--motor-hz", args.motor_hz, lo=0, lo_open=True, hi=RECORD_HZ, hint="e.g. 80")
     nominal = load_model(args.model)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    structure = perturb_structure(nominal, args.perturb, args.seed) if args.perturb > 0 else nominal
-    if args.perturb > 0:
-        dump_structure(structure, out / "true_model.yaml", header="The simulated robot's true parameters.")
+    frame = load_mocap_frame(args.mocap_frame) if args.bag else None
     ref = None
-    if structure.actuators:
+    if nominal.actuators:
+        read_text_file(args.reference, "--reference", "reference file (YAML), e.g. config/references/*.yaml")
         try:
-            ref = load_reference(args.reference, structure.actuators)
+            ref = load_reference(args.reference, nominal.actuators)
         except ReferenceConfigError as err:
             raise UserError(str(err)) from err
-    angle_fn = (lambda t: motor_angles(ref, structure.actuators, np.atleast_1d(t))[0]) if ref else None
+    inputs = (args.model, args.reference, args.mocap_frame)
+    out = check_output_target(args.out, "--out", args.force, kind="dir", inputs=inputs)
+    bag = check_output_target(args.bag, "--bag", args.force, kind="dir", inputs=inputs) if args.bag else None
+    if bag is not None and (bag == out or out in bag.parents):
+        bag_in_out = bag.relative_to(out)               # written inside --out's temporary folder, moved with it
+        if bag_in_out == Path("."):
+            raise UserError(f"--bag {args.bag}: the same folder as --out; put the bag inside it, e.g. "
+                            f"--bag {Path(args.out) / 'bag'}")
+    else:
+        bag_in_out = None
+        if bag is not None and bag in out.parents:
+            raise UserError(f"--out {args.out}: inside the --bag folder {args.bag}; write them side by side")
 
-    traj = simulate(structure, angle_fn, args.duration, record_hz=RECORD_HZ, timestep=args.dt,
-                    integrator=args.integrator,
-                    settle=args.settle, progress=True)
-    _write_trajectories(out, structure, traj)
-    summary = _summarise(structure, traj)
-    if args.bag:
-        summary["bag"] = _write_bag(args, structure, traj, ref, motor_velocities)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    structure = perturb_structure(nominal, args.perturb, args.seed) if args.perturb > 0 else nominal
+    angle_fn = (lambda t: motor_angles(ref, structure.actuators, np.atleast_1d(t))[0]) if ref else None
+    with ExitStack() as outputs:                        # all outputs appear at the end, or none does
+        out_tmp = outputs.enter_context(atomic_output(out, "dir", args.force, "--out"))
+        if bag is None:
+            bag_tmp = None
+        elif bag_in_out is not None:
+            bag_tmp = out_tmp / bag_in_out
+        else:
+            # written as BAG_TMP/NAME, then its files moved up: rosbag2 names the storage file after the folder
+            bag_tmp = outputs.enter_context(atomic_output(bag, "dir", args.force, "--bag")) / bag.name
+        if args.perturb > 0:
+            dump_structure(structure, out_tmp / "true_model.yaml", header="The simulated robot's true parameters.")
+        traj = simulate(structure, angle_fn, duration, record_hz=RECORD_HZ, timestep=dt,
+                        integrator=args.integrator,
+                        settle=args.settle, progress=True)
+        _write_trajectories(out_tmp, structure, traj)
+        summary = _summarise(structure, traj)
+        if bag_tmp is not None:
+            summary["bag"] = _write_bag(args, bag_tmp, frame, structure, traj, ref, motor_velocities)
+            if bag_in_out is None:
+                for f in bag_tmp.iterdir():
+                    f.rename(bag_tmp.parent / f.name)
+                bag_tmp.rmdir()
+        (out_tmp / "summary.json").write_text(json.dumps(summary, indent=2))
     for k, v in summary.items():
         print(f"  {k:<32} {v}")
-    print(f"wrote {out}/ (trajectory.npz, plates.csv, plates.png, summary.json)")
+    print(f"wrote {args.out}/ (trajectory.npz, plates.csv, plates.png, summary.json)")
     return 0
 
 
@@ -115,14 +159,14 @@ def _summarise(structure, traj) -> dict:
     return out
 
 
-def _write_bag(args, structure, traj, ref, motor_velocities) -> str:
-    """The robot's recording: motor states at motor_hz, unlabeled markers at mocap_hz (header stamps)."""
+def _write_bag(args, path: Path, frame, structure, traj, ref, motor_velocities) -> str:
+    """The robot's recording at ``path`` (a temporary folder, see atomic_output): motor states at motor_hz,
+    unlabeled markers at mocap_hz (header stamps) seen in the mocap ``frame``."""
     from ..bags import BagError, JointSeries, MarkerSeries, write_robot_bag
     from ..mocap import physical_nodes
     from ..twin.markers import markers
 
     rng = np.random.default_rng(args.seed + 1)
-    frame = load_mocap_frame(args.mocap_frame)
     t = traj.times
     mi = _decimate(t, args.mocap_hz)
     phys = [structure.node_index(n) for n in physical_nodes(structure)]
@@ -140,7 +184,7 @@ def _write_bag(args, structure, traj, ref, motor_velocities) -> str:
     vel = motor_velocities(ref, structure.actuators, t[ki]) if ref else np.zeros((len(ki), len(names)))
     motor = JointSeries(t[ki], names, traj.motor_angles[ki], vel, effort)
     try:
-        write_robot_bag(args.bag, motor_states=motor, storage=args.storage, overwrite=True,
+        write_robot_bag(path, motor_states=motor, storage=args.storage, overwrite=True,
                         markers=MarkerSeries(np.array([f[0] for f in frames]), [f[1] for f in frames]))
     except BagError as err:
         raise UserError(str(err)) from err

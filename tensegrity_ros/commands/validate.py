@@ -1,8 +1,7 @@
 """`tensegrity validate MODEL.yaml`: exit 0 with a summary, or exit 2 naming file, key and value."""
 from __future__ import annotations
 
-from . import UserError
-from ..model import StructureError, load_structure
+from ._common import load_model
 
 
 def add_arguments(parser) -> None:
@@ -10,10 +9,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    try:
-        s = load_structure(args.model)
-    except StructureError as err:
-        raise UserError(str(err)) from err
+    s = load_model(args.model)          # any bad file (binary, not YAML, invalid) is a one-line UserError
     n_segments = sum(len(st.segments) for st in s.strings)
     n_virtual = sum(1 for c in s.constraints if c.type == "coincident")
     print(f"{args.model}: OK  '{s.name}'")

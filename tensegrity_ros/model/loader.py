@@ -280,19 +280,53 @@ def _check_acyclic(c: _Checker, constraints) -> None:
         visit(n)
 
 
-def load_structure(path: Union[str, Path]) -> Structure:
-    """Read and validate a structure YAML file."""
-    path = Path(path)
+#: A structure file larger than this is not one (a binary or a data file given by mistake); bounds the read.
+MAX_STRUCTURE_FILE_BYTES = 16 * 1024 * 1024
+_HINT = "pass a structure file (YAML text), e.g. config/models/stacked_manipulator.yaml"
+
+
+def _read_text(path: Path) -> str:
+    """The file's text; unreadable, oversized, binary or non-UTF-8 content raises :class:`StructureError`."""
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_STRUCTURE_FILE_BYTES + 1)
     except OSError as err:
-        raise StructureError(str(path), "<file>", None, f"cannot read file: {err.strerror}") from err
+        raise StructureError(str(path), "<file>", None,
+                             f"cannot read file: {err.strerror or err}; check the path, or {_HINT}") from err
+    if len(raw) > MAX_STRUCTURE_FILE_BYTES:
+        raise StructureError(str(path), "<file>", None, f"larger than {MAX_STRUCTURE_FILE_BYTES >> 20} MiB, "
+                             f"not a structure file; {_HINT}")
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise StructureError(str(path), "<file>", raw[:8], f"binary data (NUL byte at offset {nul}), not YAML "
+                             f"text; {_HINT}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise StructureError(str(path), f"line {line}", raw[err.start:err.start + 8],
+                             f"not UTF-8 text (byte offset {err.start}); save the file as UTF-8 or {_HINT}") from err
+
+
+def load_structure(path: Union[str, Path]) -> Structure:
+    """Read and validate a structure YAML file.
+
+    Every failure, including a file that is not UTF-8 YAML text at all (a binary, random bytes), raises
+    :class:`StructureError` naming the file, where and why.
+    """
+    path = Path(path)
+    text = _read_text(path)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark else "<yaml>"
-        raise StructureError(str(path), where, None, f"not valid YAML: {getattr(err, 'problem', err)}") from err
+        if isinstance(err, yaml.reader.ReaderError):      # a control character: its str() spans lines
+            where, problem = f"line {text.count(chr(10), 0, err.position) + 1}", err.reason
+        else:
+            mark = getattr(err, "problem_mark", None)
+            where = f"line {mark.line + 1}" if mark else "<yaml>"
+            problem = getattr(err, "problem", None) or " ".join(str(err).split())
+        raise StructureError(str(path), where, None, f"not valid YAML: {problem}; fix the file there or "
+                             f"{_HINT}") from err
     return structure_from_dict(data, source=str(path))
 
 
