@@ -27,8 +27,9 @@ from .params import Params
 class FastDerived:
     """Per-params quantities, batch last (Bp = 1 for unbatched params).
 
-    EA, zeta, xi00: (S, Bp); Y: (S, A, Bp); z: (A, Bp); Minv: (n_free, n_free, Bp); Pt: (nba, n_free, Bp);
-    Gc: (nba, nba, Bp); FgT: (3, n_free, Bp); Hs: (n_seg, n_seg, Bp) = C_s T M_q^-1 T^T C_s^T;
+    EA, zeta, xi00, kc: (S, Bp) (kappa = EA / xi0 + kc, see :func:`.nodal.prepare`); Y: (S, A, Bp); z: (A, Bp);
+    Minv: (n_free, n_free, Bp); Pt: (nba, n_free, Bp); Gc: (nba, nba, Bp); FgT: (3, n_free, Bp);
+    Hs: (n_seg, n_seg, Bp) = C_s T M_q^-1 T^T C_s^T;
     Hbs: (nba, n_seg, Bp) = C_b T M_q^-1 T^T C_s^T (the implicit integrator's constant couplings).
     """
 
@@ -37,6 +38,7 @@ class FastDerived:
     xi00: torch.Tensor
     Y: torch.Tensor
     z: torch.Tensor
+    kc: torch.Tensor
     Minv: torch.Tensor
     Pt: torch.Tensor
     Gc: torch.Tensor
@@ -57,8 +59,8 @@ def prepare_fast(c: NodalConstants, p: Params) -> FastDerived:
     d = prepare(c, p)
     MCs = d.Minv @ c.Cs_q.T                                                   # (Bp, nf, ns)
     return FastDerived(EA=_last(d.EA, 1), zeta=_last(d.zeta, 1), xi00=_last(d.xi00, 1), Y=_last(d.Y, 2),
-                       z=_last(d.z, 1), Minv=_last(d.Minv, 2), Pt=_last(d.Pt, 2), Gc=_last(d.Gc, 2),
-                       FgT=_last(d.FgT, 2), Hs=_last(c.Cs_q @ MCs, 2), Hbs=_last(c.Cb_q @ MCs, 2))
+                       z=_last(d.z, 1), kc=_last(d.kc, 1), Minv=_last(d.Minv, 2), Pt=_last(d.Pt, 2),
+                       Gc=_last(d.Gc, 2), FgT=_last(d.FgT, 2), Hs=_last(c.Cs_q @ MCs, 2), Hbs=_last(c.Cb_q @ MCs, 2))
 
 
 def _gather(X: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -101,7 +103,7 @@ def forces(c: NodalConstants, der: FastDerived, Q, V, u, udot, fext, with_string
         D = L - xi0
         if udot is not None:
             Dd = Ld - (der.Y * udot.unsqueeze(0)).sum(1)
-    kappa = der.EA / xi0
+    kappa = der.EA / xi0 + der.kc                                             # the string's law (nodal.prepare)
     tension = torch.where(D > 0, torch.relu(kappa * D + der.zeta * Dd), torch.zeros_like(D))
     seg_t = _gather(tension, c.Gt_i, c.Gt_w)                                  # (ns, B)
     F = der.FgT - _gather(seg_t * e, c.Cs_q_i, c.Cs_q_w)

@@ -74,7 +74,8 @@ class NodalConstants:
     T: (N, n_free); Tt: (n_free, N) = T^T; XcT: (3, N) m; free_idx: (n_free,) long;
     Cb_q: (nba, n_free) = C_b T over the nba bars with a free node; Cbt: (n_free, nba); dcT: (3, nba) m;
     l2: (nba,) squared bar lengths, m^2; Cs_q: (n_seg, n_free); Cst: (n_free, n_seg); scT: (3, n_seg) m;
-    G: (n_seg, n_strings); Gt: (n_strings, n_seg); Ydir: (n_strings, A); E_q: (n_bars, n_free, n_free);
+    G: (n_seg, n_strings); Gt: (n_strings, n_seg); Ydir: (n_strings, A); spring, cord: (n_strings,) the stiffness
+    law's masks (1.0 where a string follows the ``spring`` / ``cord`` law, else 0.0); E_q: (n_bars, n_free, n_free);
     WqT: (n_bars, n_free); gravity: (3,) m/s^2; bar_nodes: (n_bars, 2) long; bar_lengths: (n_bars,) m;
     seg_nodes: (n_seg, 2) long; E: (n_bars, N, N); W: (N, n_bars).
     ``*_i`` / ``*_w``: the same constant matrices in gather form (see :func:`rmul`): for ``X @ M``, output
@@ -95,6 +96,8 @@ class NodalConstants:
     G: torch.Tensor
     Gt: torch.Tensor
     Ydir: torch.Tensor
+    spring: torch.Tensor
+    cord: torch.Tensor
     E_q: torch.Tensor
     WqT: torch.Tensor
     gravity: torch.Tensor
@@ -129,6 +132,7 @@ class NodalConstants:
             T=t(top.T), Tt=t(top.T.T), XcT=t(top.Xc.T), free_idx=t(np.array(top.free_nodes, dtype=np.int64)),
             Cb_q=t(top.Cb_q[act]), Cbt=t(top.Cb_q[act].T), dcT=t(top.d_c[act].T), l2=t(top.bar_lengths[act] ** 2),
             Cs_q=t(top.Cs_q), Cst=t(top.Cs_q.T), scT=t(top.s_c.T), G=t(top.G), Gt=t(top.G.T), Ydir=t(top.Ydir),
+            spring=t(top.spring), cord=t(1.0 - top.spring),
             E_q=t(top.E_q), WqT=t(top.W_q.T), gravity=t(top.gravity), bar_nodes=t(top.bar_nodes),
             bar_lengths=t(top.bar_lengths), seg_nodes=t(top.seg_nodes), E=t(top.E), W=t(top.W))
 
@@ -139,6 +143,8 @@ class Derived:
     """Per-params quantities (no batch dim for unbatched params, else the params batch Bp first).
 
     EA: (Bp, S) N; zeta: (Bp, S) N s/m; xi00: (Bp, S) m; Y: (Bp, S, A) m/rad; z: (Bp, A) rad;
+    kc: (Bp, S) N/m. The stiffness is kappa = EA / xi0 + kc: cord strings have EA = stiffness * xi00 and kc = 0,
+    spring strings EA = 0 and kc = stiffness (see :func:`prepare`; every Derived of this engine has kc);
     Mq: (Bp, n_free, n_free) kg; Minv: (Bp, n_free, n_free) 1/kg; Pt: (Bp, nba, n_free) = (C_b T) M_q^-1;
     Gc: (Bp, nba, nba) = (C_b T) M_q^-1 (C_b T)^T; FgT: (Bp, 3, n_free) generalised weight, N.
     """
@@ -153,6 +159,8 @@ class Derived:
     Pt: torch.Tensor
     Gc: torch.Tensor
     FgT: torch.Tensor
+    #: last and optional so that the spring-rod engine's Derived (which has no stiffness laws: None) still builds
+    kc: Optional[torch.Tensor] = None
 
 
 def reduced_mass_matrix(c: NodalConstants, mass: torch.Tensor) -> torch.Tensor:
@@ -161,7 +169,13 @@ def reduced_mass_matrix(c: NodalConstants, mass: torch.Tensor) -> torch.Tensor:
 
 
 def prepare(c: NodalConstants, p: Params) -> Derived:
-    """Quantities that depend on params only (mass matrix inverse, bar coupling G, weights, EA, Y)."""
+    """Quantities that depend on params only (mass matrix inverse, bar coupling G, weights, EA, kc, Y).
+
+    The stiffness law of each string (``String.stiffness_law``) enters as a split of the stiffness parameter
+    k into EA = k xi00 (cord) and kc = k (spring) with the constant 0/1 masks, so that everywhere
+    kappa = EA / xi0 + kc: one batched, differentiable expression for both laws, and for cord strings
+    bit-for-bit the former EA / xi0 (multiplying by 1.0 and adding 0.0 are exact).
+    """
     k, zeta, xi00, m = p.stiffness, p.damping, p.rest_length, p.mass
     Mq = reduced_mass_matrix(c, m)
     Minv = torch.linalg.inv(Mq)
@@ -169,7 +183,8 @@ def prepare(c: NodalConstants, p: Params) -> Derived:
     Gc = Pt @ c.Cbt
     FgT = c.gravity.unsqueeze(-1) * (m @ c.WqT).unsqueeze(-2)
     Y = c.Ydir * p.spool_radius.unsqueeze(-2)
-    return Derived(EA=k * xi00, zeta=zeta, xi00=xi00, Y=Y, z=p.zero_offset, Mq=Mq, Minv=Minv, Pt=Pt, Gc=Gc, FgT=FgT)
+    return Derived(EA=k * xi00 * c.cord, zeta=zeta, xi00=xi00, Y=Y, z=p.zero_offset, kc=k * c.spring, Mq=Mq,
+                   Minv=Minv, Pt=Pt, Gc=Gc, FgT=FgT)
 
 
 # =====================================================================================================
@@ -177,8 +192,8 @@ def prepare(c: NodalConstants, p: Params) -> Derived:
 # =====================================================================================================
 class StringState(NamedTuple):
     """Per composite string: length L (B, S) m, rate L' m/s, rest length xi0 m, xi0' m/s, stretch D m,
-    rate D' m/s, stiffness kappa = EA/xi0 N/m, tension (B, S) N; per segment: unit vectors e (segment
-    vectors' layout), lengths xi (B, n_seg) m and their rates xi' m/s."""
+    rate D' m/s, stiffness kappa = EA/xi0 + kc N/m (the string's law, see :func:`prepare`), tension (B, S) N;
+    per segment: unit vectors e (segment vectors' layout), lengths xi (B, n_seg) m and their rates xi' m/s."""
 
     L: torch.Tensor
     Ldot: torch.Tensor
@@ -233,7 +248,7 @@ def string_law(G: torch.Tensor, s: torch.Tensor, sdot: torch.Tensor, der: Derive
     xi0, xi0dot = rest_lengths(der, u, udot)
     D = L - xi0
     Ddot = Ldot if xi0dot is None else Ldot - xi0dot
-    kappa = der.EA / xi0
+    kappa = der.EA / xi0 + der.kc                                   # cord: EA/xi0 (kc = 0); spring: kc (EA = 0)
     tension = torch.where(D > 0, torch.relu(kappa * D + der.zeta * Ddot), torch.zeros_like(D))
     return StringState(L, Ldot, xi0, torch.zeros_like(xi0) if xi0dot is None else xi0dot, D, Ddot, kappa,
                        tension, e, xi, xidot)
@@ -524,7 +539,8 @@ def full_string_state(c: NodalConstants, params: Params, positions, velocities, 
 def energy(c: NodalConstants, params: Params, state: State, motor_angles=None) -> torch.Tensor:
     """(...,) total mechanical energy, J: kinetic (consistent bar mass) + gravity + string potential.
 
-    String potential 1/2 kappa D^2 (D > 0) is exact for constant kappa (non-actuated strings, constant u).
+    String potential 1/2 kappa D^2 (D > 0) is exact for constant kappa (non-actuated strings, spring-law
+    strings, constant u); a moving motor does work on the string, so energy is only conserved without one.
     """
     c = convert_like(c, state.positions)
     X, V = state.positions, state.velocities
@@ -540,7 +556,8 @@ class StringUnitForces(NamedTuple):
     """Linear-in-parameters pieces of the nodal forces (full node space).
 
     stiffness: (B, S, N, 3) force on each node per unit ``stiffness`` parameter of string c, N/(N/m)
-        (kappa_c = stiffness_c * rest_length_c / xi0_c(t); for non-actuated strings kappa_c = stiffness_c).
+        (cord law: kappa_c = stiffness_c * rest_length_c / xi0_c(t); spring law, and every non-actuated string:
+        kappa_c = stiffness_c).
     damping: (B, S, N, 3) force per unit damping zeta_c, N/(N s/m).
     gravity: (N, n_bars, 3) weight per unit bar mass, N/kg.
     active: (B, S) bool, the strings whose pull is on (D > 0 and tension > 0 at the given params).
@@ -575,7 +592,9 @@ def string_unit_forces(topology_or_constants, positions: torch.Tensor, velocitie
     # unit-tension nodal force of each composite string: F_n = -sum_s G_sc (C_s)_sn e_s   (B, S, N, 3)
     pattern = -torch.einsum("sc,sn,...sk->...cnk", c.G, Cs, st.e)
     gate = active.to(positions.dtype)
-    kscale = params.rest_length / st.xi0                            # kappa per unit stiffness parameter
+    # kappa per unit stiffness parameter: xi00/xi0 for cord strings, 1 for spring strings (exactly the former
+    # xi00/xi0 for cord strings: the masks are 1.0/0.0)
+    kscale = params.rest_length * c.cord / st.xi0 + c.spring
     A = (gate * kscale * st.D).unsqueeze(-1).unsqueeze(-1) * pattern
     B = (gate * st.Ddot).unsqueeze(-1).unsqueeze(-1) * pattern
     grav = c.W.unsqueeze(-1) * c.gravity                            # (N, nb, 3)

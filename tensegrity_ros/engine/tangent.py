@@ -13,6 +13,9 @@ directions with batched matrix products:
     dF   = -sum_c g_c (kappa_c g_c + zeta_c h_c)^T dq - zeta_c g_c g_c^T dv
            - sum_s (t_s/xi_s) (c_s c_s^T) (x) (I - e_s e_s^T) dq
     mass directions: dQ'' = P M^-1 (dF_gravity - dM_q Q'');   string directions: dF = -g_c dT_c
+    T_c = (EA_c / xi0_c + kc_c) D_c + zeta_c D'_c,  D_c = L_c - xi0_c   (the string's law, nodal.prepare):
+    dT_c = (D_c / xi0_c) dEA_c + D_c dkc_c + D'_c dzeta_c - (EA_c (D_c / xi0_c + 1) / xi0_c + kc_c) dxi0_c
+           - zeta_c dxi0'_c      (cord strings: kc = 0; spring strings: EA = 0, so kappa ignores xi0)
 
 (g_c = dL_c/dq the composite string's unit force pattern, h_c = dL'_c/dq, t_s, xi_s, e_s a segment's
 tension, length and unit vector, c_s its row of C_s T). The step is then differentiated exactly as the engine
@@ -37,7 +40,8 @@ from .nodal import (Derived, NodalConstants, Options, chord_matrix_inverse, cons
 
 class ParamTangents(NamedTuple):
     """Derivatives of the per-params quantities along P directions (the last axis):
-    EA, zeta, xi00: (S, P); Y: (S, A, P); z: (A, P); mass: (n_bars, P)."""
+    EA, zeta, xi00: (S, P); Y: (S, A, P); z: (A, P); mass: (n_bars, P); kc: (S, P) (the spring-law stiffness,
+    see :func:`.nodal.prepare`)."""
 
     EA: torch.Tensor
     zeta: torch.Tensor
@@ -45,6 +49,7 @@ class ParamTangents(NamedTuple):
     Y: torch.Tensor
     z: torch.Tensor
     mass: torch.Tensor
+    kc: torch.Tensor
 
 
 def supports(engine) -> bool:
@@ -66,7 +71,7 @@ def param_tangents(c: NodalConstants, fn, w: torch.Tensor) -> ParamTangents:
         p = fn(W)
         der = prepare(c, p)
         out = []
-        for x in (der.EA, der.zeta, der.xi00, der.Y, der.z, p.mass):
+        for x in (der.EA, der.zeta, der.xi00, der.Y, der.z, p.mass, der.kc):
             t = fwAD.unpack_dual(x).tangent
             out.append(torch.zeros_like(fwAD.unpack_dual(x).primal) if t is None else t)
     return ParamTangents(*(x.movedim(0, -1).contiguous() for x in out))
@@ -158,9 +163,10 @@ def _linearise(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], mt
             if du is not None:
                 dxi0 = dxi0 + der.Y @ du
         EA = der.EA
+        # dT of T = (EA / xi0 + kc) D + zeta D' (module docstring); the kc terms are exact zeros for cord strings
         dT = act.unsqueeze(-1) * ((D / xi0).unsqueeze(-1) * dth.EA + Dd.unsqueeze(-1) * dth.zeta
-                                  - (EA * (D / xi0 + 1.0) / xi0).unsqueeze(-1) * dxi0
-                                  - der.zeta.unsqueeze(-1) * dxi0d)      # (B, S, P)
+                                  - (EA * (D / xi0 + 1.0) / xi0 + der.kc).unsqueeze(-1) * dxi0
+                                  - der.zeta.unsqueeze(-1) * dxi0d + D.unsqueeze(-1) * dth.kc)   # (B, S, P)
         P_ = dT.shape[-1]
         Ma = ca.a.to(tdt).reshape(B * 3, nf) @ mt.Mq.permute(2, 1, 0).reshape(nf, nf * P_)   # dM_q Q''
         Fp = mt.Fg - Gm @ dT - Ma.reshape(B, n, P_)

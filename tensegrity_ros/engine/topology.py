@@ -60,6 +60,10 @@ class Topology:
     G: np.ndarray
     #: (n_strings, A) actuator direction (+1/-1) where string c is driven by actuator a, else 0.
     Ydir: np.ndarray
+    #: (n_strings,) 1.0 for strings of the ``spring`` stiffness law (kappa = stiffness, constant), 0.0 for
+    #: ``cord`` strings (kappa = stiffness * rest_length / xi0); a float mask so the law stays one batched,
+    #: differentiable expression in the engine (see :func:`tensegrity_ros.engine.nodal.prepare`).
+    spring: np.ndarray
     #: (N, n_bars) share of each bar's weight on each node (1/2 on each end).
     W: np.ndarray
     #: (n_bars, N, N) per-unit-mass consistent mass matrices E_b.
@@ -213,6 +217,7 @@ def build_topology(s: Structure) -> Topology:
         if st.actuator:
             a = act_index[st.actuator]
             Ydir[c, a] = float(s.actuators[a].direction)
+    spring = np.array([float(st.stiffness_law == "spring") for st in s.strings], dtype=np.float64)
 
     nominal = {
         "stiffness": np.array([st.stiffness for st in s.strings], dtype=np.float64),
@@ -227,5 +232,5 @@ def build_topology(s: Structure) -> Topology:
         string_names=tuple(st.name for st in s.strings), actuator_names=tuple(a.name for a in s.actuators),
         X0=X0, free_nodes=free, T=T, Xc=Xc, bar_nodes=bar_nodes, bar_lengths=bar_lengths,
         bar_radius=np.array([b.radius for b in s.bars], dtype=np.float64), Cb=Cb, seg_nodes=seg_nodes,
-        seg_string=np.array(seg_string, dtype=np.int64), Cs=Cs, G=G, Ydir=Ydir, W=W, E=E,
+        seg_string=np.array(seg_string, dtype=np.int64), Cs=Cs, G=G, Ydir=Ydir, spring=spring, W=W, E=E,
         gravity=np.array(s.gravity, dtype=np.float64), nominal=nominal)

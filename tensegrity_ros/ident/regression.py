@@ -9,18 +9,20 @@ the engine (``X = T Q + X_c``: fixed, coincident and midpoint constraints elimin
         = T^T F_ext + J(t)^T lambda(t)
 
 with P_c (n_free, 3) = T^T (unit-tension nodal force pattern of composite string c, through all its
-segments), a_c = g_c (xi00_c / xi0_c(t)) D_c(t) (the contract's kappa_c(t) D_c per unit stiffness; g_c the
-taut gate), D'_c the stretch rate, F_u the spring-rod control forces (gain h) and F_ext known external
-forces. The bar-length multipliers lambda(t) are unknown; they are ELIMINATED by projecting each sample's
-equations onto the null space of the bar-length Jacobian J(t) (rows C_b,q[b] (x) d_b(t)): with Z(t) an
-orthonormal basis of ker J(t), Z^T J^T = 0, so every sample gives 3 n_free - n_bars equations free of
-constraint forces. No masses enter the projection, so the problem stays linear.
+segments), a_c = g_c (xi00_c / xi0_c(t)) D_c(t) for ``cord``-law strings and a_c = g_c D_c(t) for
+``spring``-law strings (the contract's kappa_c(t) D_c per unit stiffness; g_c the taut gate), D'_c the
+stretch rate, F_u the spring-rod control forces (gain h) and F_ext known external forces. The bar-length
+multipliers lambda(t) are unknown; they are ELIMINATED by projecting each sample's equations onto the null
+space of the bar-length Jacobian J(t) (rows C_b,q[b] (x) d_b(t)): with Z(t) an orthonormal basis of ker J(t),
+Z^T J^T = 0, so every sample gives 3 n_free - n_bars equations free of constraint forces. No masses enter the
+projection, so the problem stays linear.
 
-Rest lengths (option ``estimate`` containing ``rest_length``): the tension k (xi00/xi0) D is linearised in
-a rest-length change delta_c around the current value, k a_c + (k delta_c) b_c with
+Rest lengths (option ``estimate`` containing ``rest_length``): the tension k (xi00/xi0) D (spring law: k D)
+is linearised in a rest-length change delta_c around the current value, k a_c + (k delta_c) b_c with
 b_c = d(a_c)/d(xi00), and phi_c = k_c delta_c is regressed as one more linear unknown (exact for
-non-actuated strings: k (L - xi00 - delta) = k (L - xi00) - k delta). The linearisation point and the taut
-gates are then updated and the system re-solved (``relinearize`` passes, each a closed-form solve).
+non-actuated and spring-law strings: k (L - xi00 - delta) = k (L - xi00) - k delta). The linearisation point
+and the taut gates are then updated and the system re-solved (``relinearize`` passes, each a closed-form
+solve).
 
 Gauge: with no known force (no gravity-free known mass, no known external force, no known parameter of
 scale), multiplying all masses, stiffnesses and dampings by the same factor leaves the motion unchanged:
@@ -366,9 +368,12 @@ def _design(top: Topology, S: _Samples, Z: np.ndarray, cur: Dict[str, np.ndarray
         xi0 = np.broadcast_to(xi00, L.shape)
         xi0d = np.zeros_like(L)
     D, Dd = L - xi0, Ld - xi0d
-    kscale = xi00[None] / xi0
-    a = kscale * D                                                  # tension per unit stiffness
-    b = (L / xi0 - 1.0) - xi00[None] * L / xi0 ** 2                 # d a / d xi00
+    # tension per unit stiffness: cord law (xi00/xi0) D, spring law D (kappa = k whatever xi0); d a / d xi00
+    # (xi0 moves with xi00 one to one): cord (L/xi0 - 1) - xi00 L / xi0^2, spring -1
+    spring = top.spring.astype(bool)[None]
+    kscale = np.where(spring, 1.0, xi00[None] / xi0)
+    a = kscale * D
+    b = np.where(spring, -1.0, (L / xi0 - 1.0) - xi00[None] * L / xi0 ** 2)
     if gate_mode == "geometric":
         gate = (D > 0).astype(float)
     else:

@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 import yaml
 
 from .errors import StructureError
-from .schema import (Actuator, Bar, CoincidentConstraint, MidpointConstraint, Node, String,
+from .schema import (STIFFNESS_LAWS, Actuator, Bar, CoincidentConstraint, MidpointConstraint, Node, String,
                      Structure)
 
 #: Positions of constrained nodes must already satisfy their constraint this closely (m).
@@ -25,7 +25,7 @@ _TOP_KEYS = {"name", "description", "notes", "gravity", "nodes", "bars", "string
              "actuators", "std_devs"}
 _NODE_KEYS = {"name", "position", "fixed"}
 _BAR_KEYS = {"name", "nodes", "mass", "radius"}
-_STRING_KEYS = {"name", "nodes", "stiffness", "damping", "rest_length", "actuator", "closed"}
+_STRING_KEYS = {"name", "nodes", "stiffness", "damping", "rest_length", "actuator", "closed", "stiffness_law"}
 _ACT_KEYS = {"name", "motor_id", "spool_radius", "direction", "zero_offset", "limits", "model"}
 _CONSTRAINT_KEYS = {"coincident": {"type", "nodes"}, "midpoint": {"type", "node", "between"},
                     "fixed": {"type", "node"}}
@@ -193,7 +193,11 @@ def structure_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Stru
             if act in driven:
                 c.fail(f"{key}.actuator", act, f"actuator already drives string '{driven[act]}'")
             driven[act] = s
-        strings.append(String(s, path, stiffness, damping, rest, act, closed))
+        law = raw.get("stiffness_law", STIFFNESS_LAWS[0])
+        if law not in STIFFNESS_LAWS:
+            c.fail(f"{key}.stiffness_law", law, f"unknown stiffness law (valid laws: {', '.join(STIFFNESS_LAWS)}; "
+                   "cord: stiffness * rest_length / xi0, spring: constant stiffness)")
+        strings.append(String(s, path, stiffness, damping, rest, act, closed, law))
 
     # ---- constraints -------------------------------------------------------------------------
     constraints = []
@@ -349,6 +353,8 @@ def structure_to_dict(s: Structure, std_devs: Optional[Mapping[str, float]] = No
             d["closed"] = True
         if st.actuator:
             d["actuator"] = st.actuator
+        if st.stiffness_law != STIFFNESS_LAWS[0]:   # the default (cord) stays implicit: old files are written as before
+            d["stiffness_law"] = st.stiffness_law
         out["strings"].append(d)
     if s.constraints:
         out["constraints"] = [

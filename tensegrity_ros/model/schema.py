@@ -11,6 +11,13 @@ from typing import Literal, Optional, Tuple, Union
 
 Vec3 = Tuple[float, float, float]
 
+#: How a string's stiffness kappa follows its rest length xi0 (``String.stiffness_law``); the one list of
+#: valid laws (the loader, the engine and the twin import it), the first the default. ``cord``: kappa = EA / xi0 with
+#: EA = stiffness * rest_length (an elastic cord whose active length is xi0: shortening it stiffens it; the
+#: seed paper's law, the default). ``spring``: kappa = stiffness whatever xi0 (a coil spring of constant rate
+#: in series with an inextensible cable wound on the spool). Identical for strings without an actuator.
+STIFFNESS_LAWS = ("cord", "spring")
+
 
 @dataclass(frozen=True)
 class Node:
@@ -39,8 +46,9 @@ class Bar:
 class String:
     """A tension-only string through ``nodes`` in order (two nodes: simple; more: composite).
 
-    ``stiffness`` is in N/m at the nominal ``rest_length``. The engine can scale it as EA/xi0 when
-    an actuator changes the rest length (seed paper, Sec. II-B); EA = stiffness * rest_length.
+    ``stiffness`` is in N/m at the nominal ``rest_length``. ``stiffness_law`` (one of
+    :data:`STIFFNESS_LAWS`) says how it changes when an actuator changes the rest length xi0: ``cord``
+    scales it as EA/xi0 with EA = stiffness * rest_length (seed paper, Sec. II-B), ``spring`` keeps it.
     ``damping`` is in N·s/m on the rate of stretch of the whole composite string.
     """
 
@@ -52,6 +60,8 @@ class String:
     actuator: Optional[str] = None
     #: A closed loop (the manipulator's saddle strings): the last node connects back to the first.
     closed: bool = False
+    #: ``cord`` (kappa = stiffness * rest_length / xi0) or ``spring`` (kappa = stiffness), see STIFFNESS_LAWS.
+    stiffness_law: str = "cord"
 
     @property
     def segments(self) -> Tuple[Tuple[str, str], ...]:

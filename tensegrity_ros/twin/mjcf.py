@@ -318,7 +318,11 @@ def _quat(rot: np.ndarray) -> np.ndarray:
 
 
 def string_kappa(string, rest_length: Optional[float] = None) -> float:
-    """kappa = EA / xi0 with EA = stiffness * nominal rest length (contract string law)."""
+    """The string's stiffness (N/m) at rest length ``rest_length`` (default: its nominal one), by its
+    ``stiffness_law``: ``cord``: kappa = EA / xi0 with EA = stiffness * nominal rest length (contract string
+    law); ``spring``: kappa = stiffness, whatever xi0."""
+    if string.stiffness_law == "spring":
+        return string.stiffness
     xi0 = string.rest_length if rest_length is None else rest_length
     return string.stiffness * string.rest_length / xi0
 

@@ -1,7 +1,8 @@
 """Stepping the MuJoCo twin in nodal terms: node states in, motor angles in, node states and tensions out.
 
 The string law is the contract's (``docs/CONTRACTS.md``): composite length L, rest length
-xi0 = xi00 + direction * spool_radius * (u - zero_offset), kappa = EA / xi0 with EA = stiffness * xi00,
+xi0 = xi00 + direction * spool_radius * (u - zero_offset), kappa = EA / xi0 with EA = stiffness * xi00
+(``cord`` strings) or kappa = stiffness (``spring`` strings, see ``String.stiffness_law``),
 tension T = max(0, kappa D + zeta D') if D = L - xi0 > 0 else 0. MuJoCo applies it through one general
 actuator per tendon (force = kappa (ctrl - L) - zeta L', clamped pull-only); :class:`TwinSim` updates kappa of
 actuated strings every step and, with ``gate_slack`` (default), zeroes the gains of strings that are slack at
@@ -69,7 +70,11 @@ class TwinSim:
         self._act_ids = np.array([mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_ACTUATOR, st.name) for st in s.strings])
         self._ten_ids = np.array([mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_TENDON, st.name) for st in s.strings])
         self._xi00 = np.array([st.rest_length for st in s.strings])
-        self._ea = np.array([st.stiffness * st.rest_length for st in s.strings])
+        # kappa = EA / xi0 + kc, as the engine (nodal.prepare): cord strings EA = stiffness * xi00, kc = 0;
+        # spring strings EA = 0, kc = stiffness (their stiffness does not follow the rest length)
+        spring = np.array([st.stiffness_law == "spring" for st in s.strings], dtype=bool)
+        self._ea = np.array([0.0 if sp else st.stiffness * st.rest_length for st, sp in zip(s.strings, spring)])
+        self._kc = np.array([st.stiffness if sp else 0.0 for st, sp in zip(s.strings, spring)])
         self._zeta = np.array([st.damping if damping else 0.0 for st in s.strings])
         by_name = {st.actuator: i for i, st in enumerate(s.strings) if st.actuator}
         self._act_string = np.array([by_name.get(a.name, -1) for a in s.actuators], dtype=int)
@@ -80,7 +85,7 @@ class TwinSim:
         self._dadr = [m.jnt_dofadr[m.body_jntadr[b]] for b in self._body_ids]
         self.xi0 = self._xi00.copy()
         self.xi0_dot = np.zeros_like(self.xi0)
-        self.kappa = self._ea / self._xi00
+        self.kappa = self._ea / self._xi00 + self._kc
         self.motor_angles = self._zero.copy()
         self._last_cmd: Optional[Tuple[float, np.ndarray]] = None
         mujoco.mj_resetDataKeyframe(m, self.data, 0)
@@ -111,7 +116,7 @@ class TwinSim:
 
     def _apply_strings(self) -> None:
         m, d = self.model, self.data
-        self.kappa = self._ea / self.xi0
+        self.kappa = self._ea / self.xi0 + self._kc
         m.actuator_gainprm[self._act_ids, 0] = self.kappa
         m.actuator_biasprm[self._act_ids, 1] = -self.kappa
         m.actuator_biasprm[self._act_ids, 2] = -self._zeta
