@@ -179,16 +179,18 @@ class TwinSim:
         return self.data.site_xpos[self._site_ids].copy()
 
     def node_velocities(self) -> np.ndarray:
-        """(N, 3) velocities of every structure node (rigid-body velocity of the site on its body)."""
+        """(N, 3) velocities of every structure node (rigid-body velocity of the site on its body).
+
+        What ``mj_objectVelocity`` gives per site, for all sites in one vectorised expression (the simulated
+        robot calls this at 120 Hz: the per-site Python loop was a tenth of its process): MuJoCo's ``cvel``
+        is the body's spatial velocity [omega; v] at the subtree centre of mass of its root body, so a point p
+        on the body moves with v + omega x (p - subtree_com[root])."""
         m, d = self.model, self.data
-        out = np.zeros((len(self._site_ids), 3))
         body = m.site_bodyid[self._site_ids]
-        for i, (sid, b) in enumerate(zip(self._site_ids, body)):
-            if b == 0:
-                continue
-            res = np.zeros(6)
-            mujoco.mj_objectVelocity(m, d, mujoco.mjtObj.mjOBJ_SITE, sid, res, 0)
-            out[i] = res[3:]
+        cvel = d.cvel[body]
+        offset = d.site_xpos[self._site_ids] - d.subtree_com[m.body_rootid[body]]
+        out = cvel[:, 3:] + np.cross(cvel[:, :3], offset)
+        out[body == 0] = 0.0
         return out
 
     def string_lengths(self) -> np.ndarray:
