@@ -56,8 +56,9 @@ def test_joint_state_markers_and_poses():
 
 def test_prediction_cdr_equals_rclpy_serialisation():
     rng = np.random.default_rng(0)
+    realized = np.r_[np.nan, np.abs(rng.normal(size=12)) * 1e-3]        # step 0 not scored yet: NaN
     pred = C.Prediction(1234.5678, 0.01, tuple(f"n{i}" for i in range(7)), rng.normal(size=(13, 7, 3)),
-                        rng.normal(size=(13, 7, 3)), "set-3", "structure")
+                        rng.normal(size=(13, 7, 3)), "set-3", "structure", realized)
     fast = C.prediction_to_cdr(pred)
     slow = serialize_message(C.prediction_to_msg(pred))
     assert len(fast) == len(slow)
@@ -68,6 +69,7 @@ def test_prediction_cdr_equals_rclpy_serialisation():
             assert got.node_names == pred.node_names and got.parameter_set_id == "set-3"
             assert got.dt == 0.01 and got.stamp == pytest.approx(pred.stamp, abs=1e-9)
             assert got.frame_id == "structure" and got.horizon_steps == 13
+            np.testing.assert_array_equal(got.realized_error, realized)
     empty = C.Prediction(0.0, 0.01, (), np.zeros((0, 0, 3)), np.zeros((0, 0, 3)))
     assert deserialize_message(C.prediction_to_cdr(empty), PredictedStates).horizon_steps == 0
 

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -692,6 +692,8 @@ class Prediction:
     velocities: np.ndarray
     parameter_set_id: str = ""
     frame_id: str = "structure"
+    #: (K,) RMS error (m) of the predictor's recent predictions at each step, measured afterwards (empty: none)
+    realized_error: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def horizon_steps(self) -> int:
@@ -713,6 +715,7 @@ def prediction_to_msg(pred: Prediction) -> PredictedStates:
     msg.horizon_steps = pred.horizon_steps
     msg.positions = _points(pred.positions)
     msg.velocities = _points(pred.velocities, Vector3)
+    msg.realized_error = [float(x) for x in np.asarray(pred.realized_error, dtype=float).reshape(-1)]
     return msg
 
 
@@ -723,7 +726,8 @@ def prediction_from_msg(msg: PredictedStates) -> Prediction:
         raise ValueError(f"PredictedStates: {K} steps x {N} nodes but {P.shape[0]} positions / "
                          f"{V.shape[0]} velocities")
     return Prediction(stamp_to_sec(msg.header.stamp), float(msg.dt), tuple(msg.node_names), P.reshape(K, N, 3),
-                      V.reshape(K, N, 3), msg.parameter_set_id, msg.header.frame_id)
+                      V.reshape(K, N, 3), msg.parameter_set_id, msg.header.frame_id,
+                      np.asarray(msg.realized_error, dtype=float))
 
 
 class _CdrWriter:
@@ -882,6 +886,7 @@ def prediction_to_cdr(pred: Prediction) -> bytes:
     w.u32(pred.horizon_steps)
     w.f64_struct_seq(np.asarray(pred.positions, dtype=float).reshape(-1, 3))
     w.f64_struct_seq(np.asarray(pred.velocities, dtype=float).reshape(-1, 3))
+    w.f64_seq(np.asarray(pred.realized_error, dtype=float).reshape(-1))
     return w.bytes()
 
 
@@ -897,7 +902,7 @@ def prediction_from_cdr(data: bytes) -> Prediction:
     N = len(names)
     P = r.f64_struct_seq().reshape(K, N, 3)
     V = r.f64_struct_seq().reshape(K, N, 3)
-    return Prediction(sec + nsec * 1e-9, dt, names, P, V, set_id, frame)
+    return Prediction(sec + nsec * 1e-9, dt, names, P, V, set_id, frame, r.f64_seq())
 
 
 # ---- fast codecs of the streamed messages (publish / subscribe raw) ---------------------------------------

@@ -42,6 +42,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from ..model import Structure, load_structure
+from ..predict import RealizedError
 from . import _common as C
 from ._common import ParamSpec
 
@@ -868,6 +869,11 @@ PARAMS = (
               "callbacks' GIL) | thread", choices=C.WORKER_KINDS, read_only=True),
     ParamSpec("worker_nice", 5, "niceness of the worker process (raise it to favour the per-message path)",
               range=(0, 19), read_only=True),
+    ParamSpec("realized_every", 12, "score every n-th published prediction against the node states that arrive "
+              "later (the realized error in /diagnostics and in each prediction's realized_error)",
+              range=(1, 100000), read_only=True),
+    ParamSpec("realized_memory_s", 10.0, "memory (time constant) of the realized error [s]", range=(0.1, 3600.0),
+              read_only=True),
     ParamSpec("diagnostics_period_s", 1.0, "diagnostics period [s]", range=(0.05, 60.0), read_only=True),
 )
 
@@ -906,6 +912,8 @@ class StatePredictorNode(C.GraphNode):
                                        p["relinearize_deviation_m"], p["nominal_margin_s"],
                                        p["extend_max_s"])
         self._k_dt = self.core.dt * np.arange(self.steps)
+        # each prediction scored against the node states that arrive later (predict/realized.py)
+        self.realized = RealizedError(self.steps, self.core.dt, p["realized_memory_s"])
         self._out_maps: Dict[tuple, tuple] = {}
         self._lock = threading.Lock()
         self._latest = None              # latest node-state record
@@ -914,6 +922,7 @@ class StatePredictorNode(C.GraphNode):
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._msg_count = 0
+        self.due = 0                     # node-state messages due a prediction once the first nominal exists
         self.seq = C.SequenceMonitor()
         self.latency = C.RollingStats(20000)      # reception -> publish, s
         self.compute = C.RollingStats(20000)      # callback entry -> publish, s
@@ -997,6 +1006,11 @@ class StatePredictorNode(C.GraphNode):
     def skipped_uncovered(self) -> int:
         return self.stream.skipped_uncovered
 
+    def predictions_per_node_state(self) -> float:
+        """Predictions published per node-state message due one (every ``publish_every``-th with valid nodes,
+        from the first nominal on); NaN before any was due."""
+        return self.pub.count / self.due if self.due else math.nan
+
     def _linearizer(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(timeout=0.02)
@@ -1055,6 +1069,7 @@ class StatePredictorNode(C.GraphNode):
             t_rx_ns = int(info["received_timestamp"])
         self.seq.update_info(C.TOPICS["node_states"], info)
         rec = C.node_states_from_cdr(data)
+        self.realized.add_measurement(rec.stamp, rec.names, rec.positions, rec.valid)
         with self._lock:
             first = self._latest is None
             self._latest = rec
@@ -1065,6 +1080,7 @@ class StatePredictorNode(C.GraphNode):
             return
         if self.stream.lin is None or not rec.valid.any():
             return
+        self.due += 1                    # a message that should get a prediction (health: predictions per due)
         core = self.core
         x = core.measured_state(rec.names, rec.positions, rec.velocities, rec.valid)
         u_future = self.future.angles(rec.stamp + self._k_dt) if core.n_u else None
@@ -1083,8 +1099,10 @@ class StatePredictorNode(C.GraphNode):
         P = np.matmul(T_out, q)
         P += Xc_out
         pred = C.Prediction(rec.stamp + core.dt, core.dt, out_names, P, np.matmul(T_out, v), lin.set_id,
-                            rec.frame_id or "structure")
+                            rec.frame_id or "structure", self.realized.per_step())
         self.pub.publish(C.prediction_to_cdr(pred))
+        if self.stream.predictions % self.p["realized_every"] == 0:
+            self.realized.add_prediction(pred.stamp, out_names, P)
         self._last_i0, self._last_pred_t, self._last_lin = i0, rec.stamp, lin
         self.compute.add(time.perf_counter() - t_in)
         self.latency.add((time.time_ns() - t_rx_ns) * 1e-9)
@@ -1124,6 +1142,9 @@ class StatePredictorNode(C.GraphNode):
         vals.update(self.latency.summary(1e3, "latency_ms_"))
         vals.update(self.compute.summary(1e3, "compute_ms_"))
         vals.update(self.lin_time.summary(1e3, "relinearize_ms_"))
+        for ahead in (0.1, 0.5, self.steps * self.core.dt):   # what the predictions turned out to be worth
+            vals[f"realized_error_mm_at_{ahead:.2g}s"] = self.realized.at(ahead) * 1e3
+        vals["realized_scored"] = self.realized.scored
         tr = self.future.tracker
         if tr is not None:
             vals["reference_locked"] = tr.locked
