@@ -16,11 +16,15 @@ from tensegrity_ros.nodes.online_identifier import (AcceptConfig, Candidate, Dri
                                                     SlidingWindow, decide)
 
 NOMINAL = {"s1.stiffness": 200.0, "s1.damping": 2.0, "s1.rest_length": 0.95, "rod.mass": 1.0}
+#: held-out scores of a fit that predicts 6 windows clearly better than the active set (m^2 per window)
+BETTER = dict(holdout_mse=(1.0e-6, 1.1e-6, 0.9e-6, 1.2e-6, 1.0e-6, 0.8e-6),
+              active_holdout_mse=(2.0e-6, 2.3e-6, 1.9e-6, 2.1e-6, 2.4e-6, 1.8e-6))
 
 
 # ---- pure logic ------------------------------------------------------------------------------------------
 def test_decide_accepts_a_plausible_fit():
-    c = Candidate({"s1.stiffness": 240.0, "s1.damping": 1.7, "rod.mass": 1.0}, {"s1.stiffness": 3.0}, residual_m=1e-3)
+    c = Candidate({"s1.stiffness": 240.0, "s1.damping": 1.7, "rod.mass": 1.0}, {"s1.stiffness": 3.0}, residual_m=1e-3,
+                  **BETTER)
     d = decide(c, NOMINAL, [0.9e-3, 1.1e-3])
     assert d.accept and d.reasons == ()
 
@@ -34,8 +38,12 @@ def test_decide_accepts_a_plausible_fit():
     (Candidate({"s1.rest_length": 2.0}, residual_m=1e-3), "s1.rest_length"),
     (Candidate({"s1.stiffness": 200.0}, residual_m=9e-3), "residual jump"),
     (Candidate({}, ok=False, error="DataError: bad window"), "DataError: bad window"),
-    (Candidate({"s1.stiffness": 210.0}, residual_m=1e-3, window_rms_m=5e-3, active_window_rms_m=4e-3),
-     "worse than the active set"),
+    # held out: worse, better only inside the noise of the windows, not scored at all
+    (Candidate({"s1.stiffness": 210.0}, residual_m=1e-3, holdout_mse=BETTER["active_holdout_mse"],
+               active_holdout_mse=BETTER["holdout_mse"]), "not better on held-out data"),
+    (Candidate({"s1.stiffness": 210.0}, residual_m=1e-3, holdout_mse=(1e-6, 3e-6, 1e-6, 3e-6),
+               active_holdout_mse=(2e-6, 2e-6, 2e-6, 2e-6)), "needs > 3 sigma"),
+    (Candidate({"s1.stiffness": 210.0}, residual_m=1e-3), "not scored on held-out data"),
 ])
 def test_decide_rejects_with_a_reason(cand, needle):
     d = decide(cand, NOMINAL, [1e-3, 1e-3, 1e-3], AcceptConfig())
@@ -44,9 +52,9 @@ def test_decide_rejects_with_a_reason(cand, needle):
 
 def test_residual_floor_and_reference_median():
     cfg = AcceptConfig(max_residual_ratio=3.0, residual_floor_m=2e-3)
-    assert decide(Candidate({}, residual_m=1.9e-3), {}, [0.1e-3], cfg).accept      # below the floor
-    assert not decide(Candidate({}, residual_m=4e-3), {}, [1e-3] * 5, cfg).accept
-    assert decide(Candidate({}, residual_m=4e-3), {}, [], cfg).accept               # no reference yet
+    assert decide(Candidate({}, residual_m=1.9e-3, **BETTER), {}, [0.1e-3], cfg).accept      # below the floor
+    assert not decide(Candidate({}, residual_m=4e-3, **BETTER), {}, [1e-3] * 5, cfg).accept
+    assert decide(Candidate({}, residual_m=4e-3, **BETTER), {}, [], cfg).accept               # no reference yet
 
 
 def test_drift_detector_names_the_moved_strings():

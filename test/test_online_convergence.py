@@ -28,9 +28,10 @@ def _node_parameters():
     return p
 
 
-def test_updates_with_the_shipped_config_converge_on_the_stiffnesses():
+@pytest.fixture(scope="module")
+def recording():
+    """18 s of the simulated manipulator (the true robot ~20 % off the nominal), 0.3 mm marker noise."""
     from tensegrity_ros.ident import add_marker_noise, make_dataset
-    from tensegrity_ros.nodes.online_identifier import fit_window, update_options
     from tensegrity_ros.references import load_reference, motor_angles
     from tensegrity_ros.twin import simulate
 
@@ -41,6 +42,14 @@ def test_updates_with_the_shipped_config_converge_on_the_stiffnesses():
                     integrator="RK4")
     ds = add_marker_noise(make_dataset(traj.times, traj.positions, None, traj.motor_angles), 3e-4,
                           np.random.default_rng(0))
+    return nominal, true, ds
+
+
+def test_updates_with_the_shipped_config_converge_on_the_stiffnesses(recording):
+    from tensegrity_ros.nodes.online_identifier import Candidate, accept_config, decide, fit_window, update_options
+
+    nominal, true, ds = recording
+    p = _node_parameters()
     truth = {n: float(v) for n, v in params_from_structure(true).named().items()}
     stiff = [n for n in truth if n.endswith(".stiffness")]
 
@@ -48,19 +57,52 @@ def test_updates_with_the_shipped_config_converge_on_the_stiffnesses():
         return float(np.median([abs(values[n] / truth[n] - 1) for n in stiff]))
 
     nominal_params = params_from_structure(nominal)
-    stages, options = update_options(_node_parameters(), nominal_params)
-    active = {n: float(v) for n, v in nominal_params.named().items()}
+    nominal_values = {n: float(v) for n, v in nominal_params.named().items()}
+    active = dict(nominal_values)
     errors = [k_err(active)]
+    accepted = 0
     for t_end in np.arange(8.0, 18.01, 2.0):                   # an update every 2 s of data, 10-s window
+        stages, options = update_options(p, nominal_params, first=accepted == 0)
         sel = (ds.times > t_end - 10.0) & (ds.times <= t_end)
         out = fit_window(nominal, ds.times[sel], ds.positions[sel], ds.valid[sel], ds.motor_angles[sel], active,
-                         stages, options)
+                         stages, options, p["holdout_s"], p["holdout_window_s"], p["holdout_windows"],
+                         p["accept_margin_sigma"], p["accept_min_improvement"])
         assert out["ok"], out["error"]
-        # the node's acceptance test: the fit predicts its window better than the active set
-        if out["window_rms_m"] < out["active_window_rms_m"]:
+        assert len(out["holdout_mse"]) >= 3                    # scored on data the fit did not see
+        # the node's acceptance test: better on the held-out windows by a margin the data support
+        cand = Candidate(out["values"], out["std_devs"], residual_m=out["residual_m"],
+                         holdout_mse=out["holdout_mse"], active_holdout_mse=out["active_holdout_mse"])
+        if decide(cand, nominal_values, [], accept_config(p)).accept:
             active = {**active, **out["values"]}
+            accepted += 1
         errors.append(k_err(active))
     print("stiffness median error per update:", " ".join(f"{e:.1%}" for e in errors))
     assert errors[0] > 0.10                                    # the nominal is ~15 % off
     assert errors[-1] < 0.03                                   # measured: 14.8 % -> 0.4 % in 4 updates
     assert out["residual_m"] < 1.5e-3                           # the 3-D noise is 0.52 mm
+
+
+def test_a_candidate_made_worse_on_purpose_is_rejected_and_a_better_one_accepted(recording):
+    """Held-out scoring: the truth is the active set; the truth with its stiffnesses 5 % off (alternately up and
+    down) is a candidate made worse on purpose and must be refused; the other way round it must be accepted."""
+    from tensegrity_ros.ident import make_dataset
+    from tensegrity_ros.nodes.online_identifier import Candidate, accept_config, decide, held_out_mse, update_options
+
+    nominal, true, ds = recording
+    p = _node_parameters()
+    truth = params_from_structure(true)
+    values = {n: float(v) for n, v in truth.named().items()}
+    worse = truth.with_values({n: v * (1.05 if i % 2 else 0.95) for i, (n, v) in
+                               enumerate(x for x in values.items() if x[0].endswith(".stiffness"))})
+    sel = ds.times > ds.times[-1] - p["holdout_s"]
+    held = make_dataset(ds.times[sel], ds.positions[sel], ds.valid[sel], ds.motor_angles[sel])
+    _, options = update_options(p, params_from_structure(nominal))
+    mse_true, mse_worse = held_out_mse(nominal, held, (truth, worse), options, p["holdout_window_s"],
+                                       p["holdout_windows"])
+    cfg = accept_config(p)
+    bad = decide(Candidate(worse.named(), residual_m=1e-3, holdout_mse=tuple(mse_worse),
+                           active_holdout_mse=tuple(mse_true)), values, [], cfg)
+    assert not bad.accept and "not better on held-out data" in bad.reason
+    good = decide(Candidate(values, residual_m=1e-3, holdout_mse=tuple(mse_true),
+                            active_holdout_mse=tuple(mse_worse)), values, [], cfg)
+    assert good.accept, good.reason

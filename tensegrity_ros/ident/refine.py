@@ -629,8 +629,8 @@ class RefineProblem:
             pred = pred.reshape(C, B, *pred.shape[1:])
         return pred, out.positions[-1], out.velocities[-1]
 
-    def prediction_rms(self, params: Params, delay_s: Optional[float] = None) -> float:
-        """RMS 3-D position error (m) of ``params`` from the measured window starts (no optimisation)."""
+    def _open_loop_residuals(self, params: Params, delay_s: Optional[float]) -> torch.Tensor:
+        """Masked residuals (B, H, No, 3), m, of ``params`` from the measured window starts (no optimisation)."""
         d = torch.tensor(self.opts.delay_s if delay_s is None else delay_s, dtype=self.dtype, device=self.device)
         p = params.map(lambda t: t.detach().to(dtype=self.dtype, device=self.device))
         if self.template.control_force_scalar is not None and p.control_force_scalar is None:
@@ -638,9 +638,21 @@ class RefineProblem:
                        self.template.control_force_scalar, p.meta)
         with torch.no_grad():
             pred, _, _ = self.simulate(p, d, None)
-            r = (pred - self.targets) * self.mask[..., None].to(self.dtype)
-            val = float(torch.sqrt((r * r).sum() / max(self.n_obs, 1)))
+            return (pred - self.targets) * self.mask[..., None].to(self.dtype)
+
+    def prediction_rms(self, params: Params, delay_s: Optional[float] = None) -> float:
+        """RMS 3-D position error (m) of ``params`` from the measured window starts (no optimisation)."""
+        r = self._open_loop_residuals(params, delay_s)
+        val = float(torch.sqrt((r * r).sum() / max(self.n_obs, 1)))
         return val if math.isfinite(val) else float("inf")
+
+    def window_mse(self, params: Params, delay_s: Optional[float] = None) -> np.ndarray:
+        """(B,) mean squared 3-D position error (m^2) of each window, open loop from its measured start: the
+        per-window figures a paired comparison of two parameter sets needs (inf where not finite)."""
+        r = self._open_loop_residuals(params, delay_s)
+        n = self.mask.reshape(self.mask.shape[0], -1).sum(dim=1).clamp(min=1).to(self.dtype)
+        mse = ((r * r).sum(dim=(1, 2, 3)) / n).cpu().numpy()
+        return np.where(np.isfinite(mse), mse, np.inf)
 
     def _parallel(self, w: torch.Tensor, x0: Optional[torch.Tensor]) -> bool:
         """Whether to hand this evaluation to the window workers (see :mod:`.workers`): they are running and no

@@ -76,8 +76,9 @@ class RealizedError:
             x = (t - t0) / self.dt
             if x < -0.5 or x > self.K - 0.5:
                 continue                   # nearest to no step of this prediction (half a step either side)
+            # linear between its steps; within half a step past either end, linear from the end segment
             k0 = min(max(int(math.floor(x)), 0), self.K - 2) if self.K > 1 else 0
-            w = min(max(x - k0, 0.0), 1.0) if self.K > 1 else 0.0
+            w = x - k0 if self.K > 1 else 0.0
             k = int(round(x))              # the step the error is booked to
             src, dst = self._map(pred_names, meas_names)
             use = ok[dst]
