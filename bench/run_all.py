@@ -43,7 +43,12 @@ HEADLINES = [
     ("identification", "manipulator.worst_seed_wall_s", "manipulator identification wall time, worst seed [s]", "< 10", lambda v: v < 10),
     ("graph", "latency_p50_ms", "node state -> prediction latency p50 [ms]", "< 5", lambda v: v < 5),
     ("graph", "latency_p99_ms", "node state -> prediction latency p99 [ms]", "< 20", lambda v: v < 20),
-    ("graph", "dropped_messages", "dropped messages", "0", lambda v: v == 0),
+    ("graph", "dropped_messages", "messages not delivered (vs rate x duration)", "0", lambda v: v == 0),
+    ("graph", "delivery.mocap_frames.fraction", "graph: mocap frames delivered", ">= 0.99", lambda v: v >= 0.99),
+    ("graph", "delivery.motor_states.fraction", "graph: motor states delivered", ">= 0.99", lambda v: v >= 0.99),
+    ("graph", "health.figures.identifier_update_period_s_p50.value", "graph: identifier update period p50 [s]",
+     "<= 10", lambda v: v <= 10),
+    ("graph", "health.healthy", "graph run HEALTHY (config/health.yaml)", "True", lambda v: v is True),
 ]
 
 

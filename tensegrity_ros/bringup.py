@@ -18,6 +18,7 @@ Parameters come from the same ``config/nodes/*.yaml`` files as the launch files,
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -81,6 +82,12 @@ class GraphConfig:
     robot_process: bool = False
     keep_predictions_every: int = 6
     switch_interval_s: Optional[float] = 0.001
+    #: niceness of the simulated robot's process (twin + emulated bus + driver: the real-time part) and of the
+    #: graph's process (ingest, callbacks); None = leave as is. The compute workers run at their nodes'
+    #: ``worker_nice`` (5), below both. Raising a priority needs the right to (see workers.set_niceness); a
+    #: refusal is logged and recorded (``Graph.priorities``), and the run goes on.
+    robot_nice: Optional[int] = None
+    graph_nice: Optional[int] = None
 
 
 def yaml_parameters(node: str, config_dir: Path = CONFIG_NODES, files: Sequence[str] = ()) -> Dict[str, Any]:
@@ -228,6 +235,8 @@ class Graph:
     error: Optional[BaseException] = None
     stopping: bool = False
     robot: Optional["RobotProcess"] = None
+    #: {process: (done, niceness now, what happened)} of GraphConfig.robot_nice / graph_nice
+    priorities: Dict[str, Any] = field(default_factory=dict)
 
     def spin_in_background(self) -> None:
         """Spin the executor in a thread and start the simulation (markers flow from now on)."""
@@ -308,12 +317,12 @@ class Graph:
     def shutdown(self) -> None:
         """Stop everything: executor, nodes (torque off, emulator closed), context if owned."""
         self.stopping = True
-        try:
-            self.executor.shutdown(timeout_sec=5.0)
+        try:   # every part below is bounded: the whole graph is down within ~2 s, even with work in flight
+            self.executor.shutdown(timeout_sec=0.5)
         except Exception:
             pass
         if self.thread is not None:
-            self.thread.join(timeout=5.0)
+            self.thread.join(timeout=0.5)
         order = ["state_predictor", "online_identifier", "mocap_ingest", "dynamixel_driver", "sim_robot"]
         for name in order + [n for n in self.nodes if n not in order]:
             node = self.nodes.get(name)
@@ -353,9 +362,15 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
     if cfg.switch_interval_s:
         sys.setswitchinterval(cfg.switch_interval_s)   # many short callbacks + compute threads share the GIL
     C.limit_blas_threads(1)                            # small linear algebra: no BLAS thread pool (see there)
+    priorities = {}
+    if cfg.graph_nice is not None:
+        priorities["graph_process"] = _renice(cfg.graph_nice, "the graph's process")
     owns = context is None
     if owns:
         from rclpy.context import Context
+        from .isolation import isolated_env
+        # a simulated graph never joins a real robot's: its own domain, this host only, unless the user set them
+        os.environ.update(isolated_env(os.environ))
         context = Context()
         rclpy.init(args=[], context=context)
     link = cfg.link_path or f"/tmp/tensegrity_ttyEMU_{os.getpid()}_{int(time.time() * 1e3) % 100000}"
@@ -378,7 +393,7 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
         raise ValueError(f"executor {cfg.executor!r} (valid: single, multi)")
     executor = MultiThreadedExecutor(num_threads=cfg.threads, context=context) if cfg.executor == "multi" \
         else SingleThreadedExecutor(context=context)
-    graph = Graph(executor, nodes, context, None, owns_context=owns)
+    graph = Graph(executor, nodes, context, None, owns_context=owns, priorities=priorities)
     try:
         monitor = None
         if cfg.monitor:
@@ -399,7 +414,14 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
         if remote:   # the robot side in its own process, started first (its pty must exist for the driver)
             from dataclasses import replace
             graph.robot = RobotProcess(replace(cfg, nodes=tuple(n for n in cfg.nodes if n in robot_nodes),
-                                               robot_process=False, monitor=False, link_path=link))
+                                               robot_process=False, monitor=False, link_path=link,
+                                               graph_nice=None))
+            if graph.robot.priority is not None:
+                priorities["robot_process"] = graph.robot.priority
+        elif cfg.robot_nice is not None and any(n in cfg.nodes for n in robot_nodes):
+            # one process: the robot's threads share it; the graph's niceness is the most it can have
+            priorities["robot_process"] = {"done": False, "niceness": os.getpriority(os.PRIO_PROCESS, 0),
+                                           "message": "the simulated robot runs in the graph's process"}
         for name in NODE_ORDER:
             if name not in cfg.nodes or (remote and name in robot_nodes):
                 continue
@@ -436,10 +458,12 @@ def _robot_stats(nodes: Mapping[str, Node]) -> Dict[str, Any]:
                            "driver": {}, "sim": {}, "faults": {}}
     if drv is not None and drv.core is not None:
         st = drv.core.stats
-        out["driver"] = {"loop_rate_hz": float(st.loop_rate_hz), "cycles": int(st.cycles),
+        out["driver"] = {"rate_hz": float(drv.core.rate_hz), "loop_rate_hz": float(st.loop_rate_hz),
+                         "cycles": int(st.cycles),
                          "missed_cycles": int(st.missed_cycles), "jitter_p99_ms": float(st.jitter_p99_s * 1e3)}
     if sim is not None:
-        out["sim"] = {"realtime_factor": float(sim.rtf), "frames": int(sim.frames),
+        out["sim"] = {"mocap_rate_hz": float(sim.p["mocap_rate_hz"]), "realtime_factor": float(sim.rtf),
+                      "frames": int(sim.frames),
                       "skipped_frames": int(sim.skipped_frames),
                       "lag_ms_p99": sim.lag.percentile(99) * 1e3 if sim.lag.count else 0.0}
     for name, node in nodes.items():
@@ -448,13 +472,27 @@ def _robot_stats(nodes: Mapping[str, Node]) -> Dict[str, Any]:
     return out
 
 
+def _renice(nice: int, what: str):
+    """Set this process's niceness; a refusal is logged, not raised (see workers.set_niceness)."""
+    import logging
+
+    from .workers import set_niceness
+
+    done, now, text = set_niceness(nice)
+    if not done:
+        logging.getLogger("tensegrity_ros.bringup").warning(
+            f"{what}: {text}; on a busy machine it may then fall behind (the run's health figures will say)")
+    return {"done": done, "niceness": now, "message": text}
+
+
 def _robot_main(conn, cfg: GraphConfig) -> None:
     """Child process of :class:`RobotProcess`: build the robot side, then serve start/stats/stop/shutdown."""
     graph = None
     try:
+        prio = _renice(cfg.robot_nice, "the simulated robot's process") if cfg.robot_nice is not None else None
         graph = build_graph(cfg)
         sim = graph.nodes.get("sim_robot")
-        conn.send(("ready", {"true_structure": None if sim is None else sim.true_structure}))
+        conn.send(("ready", {"true_structure": None if sim is None else sim.true_structure, "priority": prio}))
         stats = None
         while True:
             cmd = conn.recv()
@@ -507,6 +545,7 @@ class RobotProcess:
             self.shutdown()
             raise RuntimeError(f"the robot process failed: {info}")
         self.true_structure = info["true_structure"]
+        self.priority = info.get("priority")
 
     def _request(self, cmd: str):
         with self._lock:
@@ -532,16 +571,24 @@ class RobotProcess:
             self._final = self._request("stop")
         return self._final
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 1.5) -> None:
+        """Ask the robot process to stop (torque off, emulator closed); SIGTERM after ``timeout_s``, SIGKILL 0.5 s
+        later."""
         try:
-            with self._lock:
-                self.conn.send("shutdown")
-        except (OSError, EOFError):
+            if self._lock.acquire(timeout=0.2):   # a request in flight holds it: do not wait for its answer
+                try:
+                    self.conn.send("shutdown")
+                finally:
+                    self._lock.release()
+        except (OSError, EOFError, ValueError):
             pass
-        self.proc.join(timeout=15.0)
+        self.proc.join(timeout=timeout_s)
         if self.proc.is_alive():
             self.proc.terminate()
-            self.proc.join(timeout=5.0)
+            self.proc.join(timeout=0.5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=0.5)
 
 
 @dataclass
@@ -594,6 +641,58 @@ def run_graph(duration_s: float, config: Optional[GraphConfig] = None, *, contex
                         robot=graph.robot_stats())
     finally:
         graph.shutdown()
+
+
+# =====================================================================================================
+# health: what was delivered against what should have been (tensegrity_ros.health judges)
+# =====================================================================================================
+def delivery(graph: Graph, duration_s: float) -> Dict[str, Dict[str, float]]:
+    """{stream: {expected, received, fraction}} for the streams with a nominal rate: mocap frames (received by
+    mocap_ingest), motor states and node states (the least any consumer of the graph received). Expected =
+    the source's nominal rate x ``duration_s``. Call after :func:`stop_sources` and :func:`drain`."""
+    from .health import delivered_fraction, expected_count
+
+    robot = graph.robot_stats()
+    mocap_hz = robot["sim"].get("mocap_rate_hz", math.nan)
+    motor_hz = robot["driver"].get("rate_hz", math.nan)
+    nodes = graph.nodes
+    consumers = [nodes[n] for n in ("online_identifier", "state_predictor") if n in nodes]
+
+    def least(topic):
+        got = [c.seq.received.get(topic, 0) for c in consumers]
+        return min(got) if got else 0
+
+    ing = nodes.get("mocap_ingest")
+    received = {"mocap_frames": ing.seq.received.get(C.TOPICS["markers"], 0) if ing is not None else 0,
+                "motor_states": least(C.TOPICS["motor_states"]), "node_states": least(C.TOPICS["node_states"])}
+    rates = {"mocap_frames": mocap_hz, "motor_states": motor_hz, "node_states": mocap_hz}
+    return {k: {"expected": expected_count(rates[k], duration_s), "received": int(received[k]),
+                "fraction": delivered_fraction(received[k], rates[k], duration_s)} for k in received}
+
+
+def health_figures(graph: Graph, duration_s: float) -> Dict[str, float]:
+    """The graph's health figures (``config/health.yaml``, section ``graph``) over a run of ``duration_s``."""
+    nodes = graph.nodes
+    out: Dict[str, float] = {f"{k}_delivered": v["fraction"] for k, v in delivery(graph, duration_s).items()}
+    pr, idn = nodes.get("state_predictor"), nodes.get("online_identifier")
+    out["predictions_per_node_state"] = pr.predictions_per_node_state() if pr is not None else math.nan
+    out["prediction_latency_ms_p99"] = pr.latency.percentile(99) * 1e3 if pr is not None and pr.latency.count \
+        else math.nan
+    out["identifier_update_period_s_p50"] = idn.update_period_p50(duration_s) if idn is not None else math.nan
+    out["sim_realtime_factor"] = float(graph.robot_stats()["sim"].get("realtime_factor", math.nan))
+    return out
+
+
+def graph_health(graph: Graph, duration_s: float, extra: Optional[Mapping[str, float]] = None,
+                 sections: Sequence[str] = ("graph",)):
+    """:class:`tensegrity_ros.health.Health` of the run: :func:`health_figures` + ``extra`` figures, judged
+    against ``config/health.yaml``'s ``sections``."""
+    from .health import evaluate, load_thresholds
+
+    thresholds = {}
+    for sec in sections:
+        thresholds.update(load_thresholds(section=sec))
+    return evaluate({**health_figures(graph, duration_s), **dict(extra or {})}, thresholds)
 
 
 def drain(graph: Graph, timeout_s: float = 15.0, settle_s: float = 0.5) -> bool:

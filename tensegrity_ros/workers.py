@@ -19,7 +19,7 @@ import os
 import threading
 import traceback
 from concurrent.futures import Future
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 WORKER_KINDS = ("process", "thread")
 
@@ -240,14 +240,28 @@ def limit_blas_threads(n: int = 1) -> List[str]:
     return done
 
 
+def set_niceness(nice: int) -> Tuple[bool, int, str]:
+    """Set this process's niceness to ``nice`` (absolute, -20..19). Lowering the priority always works; raising
+    it (below the current value, e.g. a negative niceness for the simulated robot and driver) needs root,
+    CAP_SYS_NICE or an RLIMIT_NICE (``ulimit -e``, /etc/security/limits.conf). Returns (done, the niceness now,
+    what happened, for logs and summaries); never raises."""
+    nice = max(-20, min(19, int(nice)))
+    try:
+        before = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        return True, nice, f"niceness {before} -> {nice}"
+    except (OSError, AttributeError) as e:
+        now = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
+        return False, now, (f"cannot set niceness {nice} ({getattr(e, 'strerror', None) or e}); staying at {now}: "
+                            "needs root, CAP_SYS_NICE or a nice limit (ulimit -e)")
+
+
 def worker_init(torch_threads: int = 1, nice: int = 0) -> None:
-    """Initializer of compute workers: torch threads, and a lower priority for background work (``nice``
-    added to the worker's niceness, so the real-time parts keep the cores when the machine is busy)."""
-    if nice:
-        try:
-            os.nice(nice)
-        except OSError:
-            pass
+    """Initializer of compute workers: torch threads, and a lower priority for background work (``nice``: the
+    worker's niceness, absolute, never above its parent's priority, so the real-time parts keep the cores
+    when the machine is busy)."""
+    if nice and nice > os.getpriority(os.PRIO_PROCESS, 0):
+        set_niceness(nice)
     limit_blas_threads(1)
     try:
         import torch

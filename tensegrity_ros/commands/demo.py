@@ -15,6 +15,7 @@ topics; predictions at 10 Hz).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -25,15 +26,30 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 import numpy as np
 
 from . import UserError
+from ..health import EXIT_DEGRADED
 
 ROOT = Path(__file__).resolve().parents[2]
+#: the niceness the demo asks for: the simulated robot (twin, emulated bus, driver: what a real robot does in
+#: hardware) above the graph's callbacks, both above the compute workers (5) and anything else on the machine
+ROBOT_NICE, GRAPH_NICE = -10, -5
+#: written into --out, so that the next `make demo` may replace the folder without --force
+MARKER = ".tensegrity-demo-output"
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--duration", type=float, default=120.0,
                         help="seconds of robot motion (default 120: the identifier needs ~5 updates from the "
                              "20 %%-off nominal, ~12-16 s each on 2 cores shared with the simulated robot)")
-    parser.add_argument("--out", default="build/demo", help="output folder (default build/demo)")
+    parser.add_argument("--out", default="build/demo",
+                        help="output folder (default build/demo). A folder that holds an earlier demo's output is "
+                             "replaced; any other non-empty folder is refused (exit 2) unless --force. Written to a "
+                             "temporary sibling and renamed when complete")
+    parser.add_argument("--force", action="store_true",
+                        help="replace a non-empty --out that is not an earlier demo's output (default: refuse)")
+    parser.add_argument("--no-priority", dest="priority", action="store_false",
+                        help="do not raise the simulated robot's and the graph's priority (default: niceness "
+                             f"{ROBOT_NICE} and {GRAPH_NICE}; the compute workers run at 5; needs root, "
+                             "CAP_SYS_NICE or `ulimit -e`, else the run goes on and says so)")
     parser.add_argument("--model", default=str(ROOT / "config" / "models" / "stacked_manipulator.yaml"),
                         help="nominal structure YAML")
     parser.add_argument("--reference",
@@ -113,7 +129,9 @@ def _status(graph, truth, est_names, t0_ros, elapsed, nominal_err) -> Tuple[str,
     perr = float(np.median(list(errs.values()))) if errs else math.nan
     kinds = ", ".join(f"{k} {v:.1f}%" for k, v in _by_kind(errs).items())
     preds = list(mon.predictions)[-60:]
-    gt = list(mon.ground_truth)
+    # only the ground truth these predictions can be scored on (their last ~3 s): stacking the whole run's
+    # truth every second grew with the run (quadratic) and took a tenth of the graph process by 45 s
+    gt = list(itertools.islice(reversed(mon.ground_truth), 480))[::-1]
     pe = math.nan
     if preds and len(gt) > 10:
         t = np.array([g[0] for g in gt])
@@ -158,14 +176,23 @@ def run(args) -> int:
         raise UserError(str(e)) from e
     if not nominal.actuators:
         raise UserError(f"{args.model}: the demo needs an actuated structure (no actuators)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from ._common import atomic_output, check_output_target
+
+    previous_demo = (Path(args.out) / MARKER).is_file()
+    force = args.force or previous_demo
+    out = check_output_target(args.out, "--out", force=force, kind="dir")
 
     topics_every = {"/tensegrity/predicted_states": 12}
     cfg = GraphConfig(model_file=args.model, reference_file=args.reference, perturb_fraction=args.perturb,
                       overrides={"sim_robot": {"perturb_seed": int(args.seed)}}, robot_process=args.robot_process,
                       record_topics=None if args.no_bag else ["*"], record_every=topics_every,
-                      keep_predictions_every=6)
+                      keep_predictions_every=6, robot_nice=ROBOT_NICE if args.priority else None,
+                      graph_nice=GRAPH_NICE if args.priority else None)
+    import signal
+
+    def _on_sigterm(signum, frame):   # SIGTERM ends the run like Ctrl-C: the graph is shut down, torque off
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _on_sigterm)
     progress = _Progress()
     sys.stderr.write(f"tensegrity demo: starting the graph ({nominal.name}, worker processes warm up ~10 s)...\n")
     graph = build_graph(cfg)
@@ -198,19 +225,35 @@ def run(args) -> int:
         drained = drain(graph, 20.0)
         text, vals = _status(graph, truth, est_names, t0_ros, duration, nominal_err)
         progress.line(text, final=True)
-        summary = _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_ros, out, history)
-        files = _report(graph, summary, truth, nom, est_names, t0_ros, out, nominal, true_structure)
-        if not args.no_bag:
-            files.append(_write_bag(graph, out / "bag"))
-            summary["bag"] = str(out / "bag")
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        sys.stderr.write("tensegrity demo: writing the summary, report and bag...\n")
+        with atomic_output(args.out, "dir", force=force, flag="--out") as tmp:
+            summary = _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_ros, tmp,
+                                 history)
+            _report(graph, summary, truth, nom, est_names, t0_ros, tmp, nominal, true_structure)
+            if not args.no_bag:
+                _write_bag(graph, tmp / "bag")
+                summary["bag"] = str(out / "bag")
+            (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
+            (tmp / MARKER).write_text("written by `tensegrity demo`: the next demo may replace this folder\n")
+        health = summary["health"]
         sys.stderr.write(f"tensegrity demo: median parameter error {summary['median_param_error_pct']:.1f} % "
                          f"(nominal {nominal_err:.1f} %), 1-s prediction RMSE {summary['prediction_rmse_mm']:.2f} mm, "
-                         f"{summary['dropped_messages']} dropped messages; wrote {out / 'summary.json'}, "
+                         f"{summary['dropped_messages']} messages not delivered; wrote {out / 'summary.json'}, "
                          f"{out / 'report.md'}" + ("" if args.no_bag else f", {out / 'bag'}") + "\n")
-        return 0
+        for name, f in health["figures"].items():
+            rel = ">=" if f["op"] == "min" else "<="
+            sys.stderr.write(f"  {'ok  ' if f['pass'] else 'FAIL'} {name} = {_show(f['value'], f['unit'])} "
+                             f"(threshold {rel} {_show(f['threshold'], f['unit'])})\n")
+        print(health["verdict"] + ("" if health["healthy"] else f" (exit {EXIT_DEGRADED})"), flush=True)
+        return 0 if health["healthy"] else EXIT_DEGRADED
     finally:
         graph.shutdown()
+
+
+def _show(v, unit: str) -> str:
+    if v is None:
+        return "no data"
+    return f"{100 * v:.2f} %" if unit == "fraction" else f"{v:.4g} {unit}".strip()
 
 
 def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_ros, out, history) -> dict:
@@ -227,10 +270,25 @@ def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_
     robot = graph.robot_stats()
     drv, sim = robot["driver"], robot["sim"]
     pr, idn, ing = nodes["state_predictor"], nodes["online_identifier"], nodes["mocap_ingest"]
-    drops = graph.drops()
+    queue_drops = graph.drops()
     accepted = [p for p in mon.parameter_sets if p.set_id != "nominal"]
     first_ok = (accepted[0].stamp - t0_ros) if accepted else None
+    # each published set against the truth, in order (the nominal first): did an accepted set make it worse?
+    set_errors = [float(np.median(list(parameter_errors(p.as_dict(), truth, est_names).values())))
+                  for p in mon.parameter_sets]
+    worse = sum(1 for a, b in zip(set_errors, set_errors[1:]) if b > a)
+    from ..bringup import delivery, graph_health
+
+    deliv = delivery(graph, duration)
+    health = graph_health(graph, duration, {"accepted_worse_than_previous": worse}, sections=("graph", "demo"))
+    realized = pr.realized.whole_run()
+    k_1s = min(int(round(1.0 / pr.core.dt)), realized.size) - 1
     return {
+        "health": health.as_dict(),
+        "delivery": deliv,
+        "priorities": graph.priorities,
+        "accepted_worse_than_previous": worse,
+        "parameter_set_errors_pct": [round(e, 3) for e in set_errors],
         "duration_s": round(duration, 3),
         "median_param_error_pct": float(np.median(list(errs.values()))) if errs else math.nan,
         "nominal_param_error_pct": nominal_err,
@@ -240,7 +298,8 @@ def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_
         "param_errors_pct": {k: round(v, 3) for k, v in errs.items()},
         "identified_parameter_set": ps.set_id if ps else "nominal",
         "parameter_sets_published": len(mon.parameter_sets),
-        "identifier": {**idn.stats, "update_s_p50": _pct(idn.update_time, 50, 1.0),
+        "identifier": {**idn.stats, "update_period_s_p50": idn.update_period_p50(duration),
+                       "update_s_p50": _pct(idn.update_time, 50, 1.0),
                        "update_s_p99": _pct(idn.update_time, 99, 1.0), "first_accepted_after_s": first_ok,
                        "last_rejection": idn.last_decision.reason if idn.last_decision and not idn.last_decision.accept else ""},
         "prediction_rmse_mm": float(np.sqrt(np.mean(rms ** 2)) * 1e3) if rms.size else math.nan,
@@ -250,12 +309,18 @@ def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_
         "predictions_published": int(pr.pub.count),
         "predictions_skipped_uncovered": int(pr.skipped_uncovered),
         "predictions_extended": int(pr.stream.extended),
+        # the predictor's own score (no truth): each scored prediction against the node states that came later
+        "prediction_realized_error_mm": {"at_0.1s": _mm(realized, int(round(0.1 / pr.core.dt))),
+                                         "at_0.5s": _mm(realized, int(round(0.5 / pr.core.dt))),
+                                         "at_1s": _mm(realized, k_1s), "scored": int(pr.realized.scored)},
         "prediction_latency_ms": {"p50": _pct(pr.latency, 50), "p99": _pct(pr.latency, 99),
                                   "compute_p50": _pct(pr.compute, 50)},
+        "predictions_per_node_state": pr.predictions_per_node_state(),
         "relinearize_ms_p50": _pct(pr.lin_time, 50),
-        "dropped_messages": int(sum(sum(v.values()) for v in drops.values())),
-        "drops": drops,
-        "all_delivered": bool(drained),
+        # every message of a rate-driven stream not delivered (expected = rate x duration), lost anywhere
+        "dropped_messages": int(sum(max(0, d["expected"] - d["received"]) for d in deliv.values())),
+        "queue_drops": queue_drops,      # of those, the ones a subscriber saw as sequence gaps
+        "all_delivered": bool(drained) and all(d["received"] >= d["expected"] for d in deliv.values()),
         "messages": graph.received(),
         "rates": {"mocap_hz": ing.frames / duration if duration else math.nan,
                   "driver_loop_hz": drv.get("loop_rate_hz"), "driver_cycles": drv.get("cycles"),
@@ -264,6 +329,10 @@ def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_
         "robot_process": graph.robot is not None,
         "progress": history,
     }
+
+
+def _mm(a: np.ndarray, k: int) -> float:
+    return float(a[k] * 1e3) if 0 <= k < a.size and np.isfinite(a[k]) else math.nan
 
 
 def _report(graph, summary, truth, nom, est_names, t0_ros, out: Path, nominal, true_structure) -> List[Path]:
@@ -314,10 +383,17 @@ def _report(graph, summary, truth, nom, est_names, t0_ros, out: Path, nominal, t
         f"{s['prediction_latency_ms']['p99']:.2f} ms |",
         f"| identifier updates accepted / rejected, update time p50 | {s['identifier']['accepted']} / "
         f"{s['identifier']['rejected']}, {s['identifier']['update_s_p50']:.2f} s |",
-        f"| dropped messages | {s['dropped_messages']} |",
+        f"| messages not delivered (mocap, motor states, node states; expected = rate x duration) | "
+        f"{s['dropped_messages']} |",
+        f"| realized 1-s prediction error (scored against later node states, no truth) | "
+        f"{s['prediction_realized_error_mm']['at_1s']:.2f} mm |",
         f"| mocap / driver loop rate, driver missed cycles | {s['rates']['mocap_hz']:.1f} / "
         f"{s['rates']['driver_loop_hz']:.1f} Hz, {s['rates']['driver_missed_cycles']} |", "",
         "## Parameters (last published set vs truth)", "", "```", table, "```", "",
+        f"## Health: {s['health']['verdict']}", "", "| figure | value | threshold | |", "|---|---|---|---|",
+        *[f"| {n} | {_show(f['value'], f['unit'])} | {'>=' if f['op'] == 'min' else '<='} "
+          f"{_show(f['threshold'], f['unit'])} | {'ok' if f['pass'] else '**FAIL**'} |"
+          for n, f in s["health"]["figures"].items()], "",
     ]
     if conv:
         lines += ["## Parameter convergence", "", f"![convergence]({conv.name})", ""]
