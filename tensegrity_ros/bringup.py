@@ -88,6 +88,8 @@ class GraphConfig:
     #: refusal is logged and recorded (``Graph.priorities``), and the run goes on.
     robot_nice: Optional[int] = None
     graph_nice: Optional[int] = None
+    #: topics the monitor does not subscribe to (each is one more callback per message in the graph's process)
+    monitor_skip: Tuple[str, ...] = ()
 
 
 def yaml_parameters(node: str, config_dir: Path = CONFIG_NODES, files: Sequence[str] = ()) -> Dict[str, Any]:
@@ -404,8 +406,11 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
                 consumed |= {C.TOPICS["node_states"], C.TOPICS["motor_states"]}
             if cfg.keep_node_states:
                 consumed.discard(C.TOPICS["node_states"])
-            topics = [t for t in GraphMonitor.TOPIC_TYPES if t not in consumed]
-            monitor = GraphMonitor(context=context, topics=topics, record_topics=cfg.record_topics,
+            topics = [t for t in GraphMonitor.TOPIC_TYPES if t not in consumed and t not in cfg.monitor_skip]
+            record = cfg.record_topics
+            if record and "*" in record:
+                record = [t for t in GraphMonitor.TOPIC_TYPES if t not in cfg.monitor_skip]
+            monitor = GraphMonitor(context=context, topics=topics, record_topics=record,
                                    record_every=cfg.record_every,
                                    keep_predictions_every=cfg.keep_predictions_every,
                                    keep_node_states=cfg.keep_node_states)
@@ -604,6 +609,9 @@ class GraphRun:
     nodes: Dict[str, Node]
     diagnostics: Dict[str, Any]
     robot: Dict[str, Any] = field(default_factory=dict)
+    #: {stream: {expected, received, fraction}} (:func:`delivery`) and the run's verdict (:func:`graph_health`)
+    delivery: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    health: Any = None
 
 
 def run_graph(duration_s: float, config: Optional[GraphConfig] = None, *, context=None,
@@ -611,7 +619,8 @@ def run_graph(duration_s: float, config: Optional[GraphConfig] = None, *, contex
               drain_s: float = 15.0) -> GraphRun:
     """Build the graph, spin it for ``duration_s`` seconds (``on_tick(graph, elapsed)`` every ``tick_s``),
     stop the streams at their sources, let every queued message be delivered (:func:`drain`, at most
-    ``drain_s``), count drops, shut down."""
+    ``drain_s``), count drops and what was delivered against rate x duration, judge the run's health
+    (``GraphRun.health``: config/health.yaml, section graph), shut down."""
     graph = build_graph(config, context)
     try:
         graph.spin_in_background()
@@ -638,7 +647,8 @@ def run_graph(duration_s: float, config: Optional[GraphConfig] = None, *, contex
                         dropped_messages=int(sum(sum(v.values()) for v in drops.values())),
                         received=graph.received(), published=graph.published_counts(), monitor=mon,
                         nodes=graph.nodes, diagnostics=dict(mon.diagnostics) if mon else {},
-                        robot=graph.robot_stats())
+                        robot=graph.robot_stats(), delivery=delivery(graph, elapsed),
+                        health=graph_health(graph, elapsed))
     finally:
         graph.shutdown()
 

@@ -40,3 +40,16 @@ def test_graph_runs_60s_with_zero_drops():
         assert getattr(node, "callback_errors", 0) == 0, f"{name}: {node.last_callback_error}"
     assert not run.robot["faults"], run.robot["faults"]
     assert run.robot["driver"]["cycles"] > 0.25 * 80 * DURATION_S
+    # health: every stream counted against rate x duration (not only what a queue reported lost), judged
+    from tensegrity_ros.health import load_thresholds
+
+    d = run.delivery
+    assert d["mocap_frames"]["expected"] == int(MOCAP_HZ * run.duration_s)
+    assert d["motor_states"]["expected"] == int(80 * run.duration_s)
+    for k, v in d.items():
+        assert v["fraction"] == pytest.approx(min(1.0, v["received"] / (v["expected"] or 1)), rel=0.02), k
+    h = run.health.as_dict()
+    assert set(h["figures"]) == set(load_thresholds(section="graph"))      # every figure measured and judged
+    assert h["figures"]["mocap_frames_delivered"]["value"] == pytest.approx(d["mocap_frames"]["fraction"])
+    assert h["verdict"].startswith("HEALTHY" if run.health.healthy else "DEGRADED")
+    print(h["verdict"])
