@@ -157,14 +157,28 @@ def _child_pids() -> list:
     return live
 
 
+def _idle_pool_worker(thread) -> bool:
+    """A ``concurrent.futures`` thread-pool worker waiting for work (e.g. the pool torch's inductor starts when it
+    compiles): the interpreter's exit hook wakes and joins it at once, so it cannot hang the exit. A worker
+    running a job is not idle (its innermost frame is the job's)."""
+    import linecache
+    import sys
+
+    frame = sys._current_frames().get(thread.ident)
+    return (frame is not None and frame.f_code.co_name == "_worker"
+            and frame.f_code.co_filename.endswith(os.path.join("concurrent", "futures", "thread.py"))
+            and "work_queue.get" in linecache.getline(frame.f_code.co_filename, frame.f_lineno))
+
+
 def leftovers(grace_s: float = 2.0):
-    """(non-daemon threads other than the main one, live child pids) still there after ``grace_s`` s."""
+    """(non-daemon threads other than the main one, live child pids) still there after ``grace_s`` s; idle
+    thread-pool workers are not counted (see :func:`_idle_pool_worker`)."""
     import threading
 
     deadline = time.monotonic() + grace_s
     while True:
         threads = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()
-                   and not t.daemon]
+                   and not t.daemon and not _idle_pool_worker(t)]
         children = _child_pids()
         if (not threads and not children) or time.monotonic() >= deadline:
             return threads, children
