@@ -6,7 +6,8 @@ springs are the structure's strings between rod ends and/or fixed nodes. One ste
 1. :func:`rod_endpoints`: node positions/velocities of the rod ends from the rod state.
 2. :func:`force_module` (seed eqs. 1-2): each spring reduced to 1D along its direction,
    |f| = K * stretch + c * stretch_rate, f = -|f| * unit(dp) on the end that dp points to.
-   K = EA / xi0(t) and xi0 = xi00 + Y (u - z) as in the string law (CONTRACTS.md); ``tension_only``
+   K = EA / xi0(t) + kc and xi0 = xi00 + Y (u - z) as in the string law (CONTRACTS.md; EA = stiffness * xi00,
+   kc = 0 for ``cord`` strings, EA = 0, kc = stiffness for ``spring`` strings, as in nodal.prepare); ``tension_only``
    (default, the structure semantics) clamps |f| >= 0 and gates it on stretch > 0.
 3. :func:`acceleration_module` (seed eqs. 3-4): a = (f1 + f2 + h f_u) / M + g,
    alpha = R I^-1 (R^T tau - w_l x I w_l), tau = r x (f2 - f1) + r_u x (h f_u); I = diag(I11, I11, I33) of a
@@ -176,7 +177,7 @@ class RodConstants:
     """rod_a, rod_b: (R,) long node index of each rod's first/second end; half: (R,) half lengths, m;
     radius: (R,) m; node_src: (N,) long index of each node into cat(ends_a, ends_b, fixed);
     fixedX: (n_fixed, 3) m; seg_i, seg_j: (n_seg,) long; Cs: (n_seg, N); G: (n_seg, S); Ydir: (S, A);
-    gravity: (3,)."""
+    gravity: (3,); spring, cord: (S,) the stiffness law's 0/1 masks (as in :class:`.nodal.NodalConstants`)."""
 
     rod_a: torch.Tensor
     rod_b: torch.Tensor
@@ -190,6 +191,8 @@ class RodConstants:
     G: torch.Tensor
     Ydir: torch.Tensor
     gravity: torch.Tensor
+    spring: torch.Tensor
+    cord: torch.Tensor
 
 
 def _check_structure(s) -> None:
@@ -231,7 +234,7 @@ def build_rod_constants(top: Topology, dtype=torch.float64, device=None) -> RodC
     return RodConstants(rod_a=t(top.bar_nodes[:, 0]), rod_b=t(top.bar_nodes[:, 1]), half=t(top.bar_lengths / 2),
                         radius=t(top.bar_radius), node_src=t(src), fixedX=t(top.X0[fixed].reshape(-1, 3)),
                         seg_i=t(top.seg_nodes[:, 0]), seg_j=t(top.seg_nodes[:, 1]), Cs=t(top.Cs), G=t(top.G),
-                        Ydir=t(top.Ydir), gravity=t(top.gravity))
+                        Ydir=t(top.Ydir), gravity=t(top.gravity), spring=t(top.spring), cord=t(1.0 - top.spring))
 
 
 def rod_endpoints(c: RodConstants, p, v, q, w):
@@ -246,10 +249,13 @@ def rod_endpoints(c: RodConstants, p, v, q, w):
 
 
 def _prepare(c: RodConstants, params: Params) -> Derived:
+    """EA = k xi00 (cord strings) and kc = k (spring strings) with the 0/1 law masks, as in
+    :func:`.nodal.prepare`: kappa = EA / xi0 + kc, bit-for-bit the former EA / xi0 for cord strings."""
     Y = c.Ydir * params.spool_radius.unsqueeze(-2)
     e = params.mass.new_zeros(())
-    return Derived(EA=params.stiffness * params.rest_length, zeta=params.damping, xi00=params.rest_length, Y=Y,
-                   z=params.zero_offset, Mq=e, Minv=e, Pt=e, Gc=e, FgT=e)
+    k = params.stiffness
+    return Derived(EA=k * params.rest_length * c.cord, zeta=params.damping, xi00=params.rest_length, Y=Y,
+                   z=params.zero_offset, Mq=e, Minv=e, Pt=e, Gc=e, FgT=e, kc=k * c.spring)
 
 
 def node_spring_forces(c: RodConstants, der: Derived, X, V, u, udot, tension_only: bool):
@@ -257,7 +263,7 @@ def node_spring_forces(c: RodConstants, der: Derived, X, V, u, udot, tension_onl
     dp = X.index_select(-2, c.seg_j) - X.index_select(-2, c.seg_i)      # (B, ns, 3)
     dv = V.index_select(-2, c.seg_j) - V.index_select(-2, c.seg_i)
     xi0, xi0dot = rest_lengths(der, u, udot)
-    K = der.EA / xi0
+    K = der.EA / xi0 + der.kc                                          # cord: EA/xi0 (kc = 0); spring: kc (EA = 0)
     Gt = c.G.T                                                          # strings are simple: one segment each
     if xi0dot is not None:
         # a moving rest length: the stretch rate is |dp|' - xi0'; remove xi0' along the spring from dv
