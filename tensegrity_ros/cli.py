@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "identify": ("identify", "identify parameters from a rosbag2 recording"),
     "emulate-bus": ("emulate_bus", "serve an emulated Dynamixel Protocol 2.0 bus on a pseudo-terminal"),
     "demo": ("demo", "the full hardware-in-the-loop graph against the simulated robot"),
+    "export-mjcf": ("export_mjcf", "write a structure file (e.g. identified parameters) as a MuJoCo MJCF model"),
 }
 
 
