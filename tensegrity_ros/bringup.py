@@ -237,7 +237,7 @@ class Graph:
     error: Optional[BaseException] = None
     stopping: bool = False
     robot: Optional["RobotProcess"] = None
-    #: {process: (done, niceness now, what happened)} of GraphConfig.robot_nice / graph_nice
+    #: {process: {"done", "niceness" (now), "message"}} of GraphConfig.robot_nice / graph_nice
     priorities: Dict[str, Any] = field(default_factory=dict)
 
     def spin_in_background(self) -> None:
@@ -494,8 +494,10 @@ def _robot_main(conn, cfg: GraphConfig) -> None:
     """Child process of :class:`RobotProcess`: build the robot side, then serve start/stats/stop/shutdown."""
     graph = None
     try:
+        from dataclasses import replace
+
         prio = _renice(cfg.robot_nice, "the simulated robot's process") if cfg.robot_nice is not None else None
-        graph = build_graph(cfg)
+        graph = build_graph(replace(cfg, robot_nice=None))   # applied above, to this whole process
         sim = graph.nodes.get("sim_robot")
         conn.send(("ready", {"true_structure": None if sim is None else sim.true_structure, "priority": prio}))
         stats = None

@@ -303,7 +303,7 @@ def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_
         "identified_parameter_set": ps.set_id if ps else "nominal",
         "parameter_sets_published": len(mon.parameter_sets),
         "identifier": {**idn.stats, "update_period_s_p50": idn.update_period_p50(duration),
-                       "update_s_p50": _pct(idn.update_time, 50, 1.0),
+                       "update_s_p50": _pct(idn.update_time, 50, 1.0), "last_update_timings_s": idn.last_timings,
                        "update_s_p99": _pct(idn.update_time, 99, 1.0), "first_accepted_after_s": first_ok,
                        "last_rejection": idn.last_decision.reason if idn.last_decision and not idn.last_decision.accept else ""},
         "prediction_rmse_mm": float(np.sqrt(np.mean(rms ** 2)) * 1e3) if rms.size else math.nan,

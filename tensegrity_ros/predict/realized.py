@@ -99,9 +99,11 @@ class RealizedError:
         return n
 
     def per_step(self) -> np.ndarray:
-        """(K,) RMS error per horizon step over the recent past (``memory_s``), m; NaN where none scored."""
+        """(K,) RMS error per horizon step over the recent past (``memory_s``), m; NaN where nothing was scored
+        within about the memory (less than half a sample's weight left: an old figure is not passed off as
+        a recent one)."""
         with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self._w > 0, np.sqrt(self._sq / np.maximum(self._w, 1e-300)), np.nan)
+            return np.where(self._w >= 0.5, np.sqrt(self._sq / np.maximum(self._w, 1e-300)), np.nan)
 
     def whole_run(self) -> np.ndarray:
         """(K,) RMS error per horizon step over every scored pair since the start, m; NaN where none."""
