@@ -319,6 +319,8 @@ class Graph:
     def shutdown(self) -> None:
         """Stop everything: executor, nodes (torque off, emulator closed), context if owned."""
         self.stopping = True
+        if self.robot is not None:   # the robot process turns torque off and closes while this side tears down
+            self.robot.begin_shutdown()
         try:   # every part below is bounded: the whole graph is down within ~2 s, even with work in flight
             self.executor.shutdown(timeout_sec=0.5)
         except Exception:
@@ -578,17 +580,24 @@ class RobotProcess:
             self._final = self._request("stop")
         return self._final
 
-    def shutdown(self, timeout_s: float = 1.5) -> None:
-        """Ask the robot process to stop (torque off, emulator closed); SIGTERM after ``timeout_s``, SIGKILL 0.5 s
-        later."""
+    def begin_shutdown(self) -> None:
+        """Ask the robot process to stop (torque off, emulator closed) without waiting for it."""
+        if getattr(self, "_asked", False):
+            return
         try:
             if self._lock.acquire(timeout=0.2):   # a request in flight holds it: do not wait for its answer
                 try:
                     self.conn.send("shutdown")
+                    self._asked = True
                 finally:
                     self._lock.release()
         except (OSError, EOFError, ValueError):
             pass
+
+    def shutdown(self, timeout_s: float = 1.5) -> None:
+        """Stop the robot process (:meth:`begin_shutdown`, then wait); SIGTERM after ``timeout_s``, SIGKILL 0.5 s
+        later."""
+        self.begin_shutdown()
         self.proc.join(timeout=timeout_s)
         if self.proc.is_alive():
             self.proc.terminate()

@@ -193,9 +193,11 @@ def run(args) -> int:
                       graph_nice=GRAPH_NICE if args.priority else None)
     import signal
 
-    def _on_sigterm(signum, frame):   # SIGTERM ends the run like Ctrl-C: the graph is shut down, torque off
+    def _on_signal(signum, frame):    # SIGTERM ends the run like Ctrl-C: the graph is shut down, torque off
         raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    # SIGINT too, explicitly: a demo started in the background of a script inherits SIGINT ignored
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
     progress = _Progress()
     sys.stderr.write(f"tensegrity demo: starting the graph ({nominal.name}, worker processes warm up ~10 s)...\n")
     graph = build_graph(cfg)
