@@ -13,12 +13,12 @@ ROS_AUTOMATIC_DISCOVERY_RANGE already set).
 import os
 
 from launch import LaunchDescription
-from launch.actions import DeclareLaunchArgument, ExecuteProcess, IncludeLaunchDescription, SetEnvironmentVariable
+from launch.actions import DeclareLaunchArgument, ExecuteProcess, IncludeLaunchDescription
 from launch.launch_description_sources import PythonLaunchDescriptionSource
 from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
 from launch_ros.substitutions import FindPackageShare
 
-from tensegrity_ros.isolation import DEMO_DOMAIN_ID, isolated_env
+from tensegrity_ros.isolation import launch_actions
 
 PACKAGE = "tensegrity_ros"
 
@@ -28,20 +28,9 @@ def _share(*parts):
 
 
 def _isolation():
-    """domain_id / discovery_range arguments and the SetEnvironmentVariable actions that apply them to every
-    process started after them (put them before the first Node). Defaults: the user's ROS_DOMAIN_ID /
-    ROS_AUTOMATIC_DISCOVERY_RANGE if set, else the demo domain and LOCALHOST (tensegrity_ros.isolation)."""
-    env = isolated_env(os.environ)
-    return [
-        DeclareLaunchArgument("domain_id", default_value=env["ROS_DOMAIN_ID"],
-                              description=f"ROS_DOMAIN_ID of the simulated graph (default {DEMO_DOMAIN_ID} "
-                                          "unless ROS_DOMAIN_ID is set): keep it off the real robots' domains"),
-        DeclareLaunchArgument("discovery_range", default_value=env["ROS_AUTOMATIC_DISCOVERY_RANGE"],
-                              description="ROS_AUTOMATIC_DISCOVERY_RANGE: LOCALHOST (default unless set) | SUBNET "
-                                          "| OFF | SYSTEM_DEFAULT"),
-        SetEnvironmentVariable("ROS_DOMAIN_ID", LaunchConfiguration("domain_id")),
-        SetEnvironmentVariable("ROS_AUTOMATIC_DISCOVERY_RANGE", LaunchConfiguration("discovery_range")),
-    ]
+    """Launch arguments and actions that keep this simulated graph on its own domain, localhost only
+    (:func:`tensegrity_ros.isolation.launch_actions`)."""
+    return launch_actions(os.environ)
 
 
 def generate_launch_description():

@@ -73,3 +73,24 @@ def isolated_env(environ: Mapping[str, str], domain_id: Optional[Union[int, str]
     else:
         rng = LOCALHOST_ONLY_ENV[DISCOVERY_RANGE_VAR]
     return {DOMAIN_ID_VAR: domain, DISCOVERY_RANGE_VAR: rng}
+
+
+def launch_actions(environ: Mapping[str, str]):
+    """The ``domain_id`` / ``discovery_range`` launch arguments and the ``SetEnvironmentVariable`` actions that
+    apply them to every process started after them (put them before the first Node of a simulated graph's
+    launch file). Defaults: :func:`isolated_env` of ``environ``. Imports ``launch`` only when called, so this
+    module stays importable without it."""
+    from launch.actions import DeclareLaunchArgument, SetEnvironmentVariable
+    from launch.substitutions import LaunchConfiguration
+
+    env = isolated_env(environ)
+    return [
+        DeclareLaunchArgument("domain_id", default_value=env[DOMAIN_ID_VAR],
+                              description=f"{DOMAIN_ID_VAR} of the simulated graph (default {DEMO_DOMAIN_ID} "
+                                          f"unless {DOMAIN_ID_VAR} is set): keep it off the real robots' domains"),
+        DeclareLaunchArgument("discovery_range", default_value=env[DISCOVERY_RANGE_VAR],
+                              description=f"{DISCOVERY_RANGE_VAR}: LOCALHOST (default unless set) | SUBNET | OFF "
+                                          "| SYSTEM_DEFAULT"),
+        SetEnvironmentVariable(DOMAIN_ID_VAR, LaunchConfiguration("domain_id")),
+        SetEnvironmentVariable(DISCOVERY_RANGE_VAR, LaunchConfiguration("discovery_range")),
+    ]

@@ -329,8 +329,15 @@ def test_isolated_env_defaults_and_precedence():
 
 
 def test_isolation_module_is_rclpy_free():
-    src = (ROOT / "tensegrity_ros" / "isolation.py").read_text()
-    imported = {n.module if isinstance(n, ast.ImportFrom) else a.name
-                for n in ast.walk(ast.parse(src)) if isinstance(n, (ast.Import, ast.ImportFrom))
+    tree = ast.parse((ROOT / "tensegrity_ros" / "isolation.py").read_text())
+
+    def modules(nodes):
+        return {n.module if isinstance(n, ast.ImportFrom) else a.name
+                for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))
                 for a in (n.names if isinstance(n, ast.Import) else [None])}
-    assert imported <= {"__future__", "typing"}, imported
+
+    assert modules(tree.body) <= {"__future__", "typing"}, modules(tree.body)     # at import time
+    inside = modules(ast.walk(tree)) - modules(tree.body)                           # only when a launch file calls
+    assert {m.split(".")[0] for m in inside} <= {"launch"}, inside
+    import tensegrity_ros.isolation                                                # launch is not installed here
+    assert callable(tensegrity_ros.isolation.launch_actions)

@@ -14,39 +14,20 @@ import yaml
 
 from tensegrity_ros.engine import Inputs, make_engine
 from tensegrity_ros.model import structure_from_dict
+from test_string_laws import HOIST, drive
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-HOIST = """
-name: hoist
-gravity: [0, 0, -9.81]
-nodes:
-  - {{name: a1, position: [0, 0, 1], fixed: true}}
-  - {{name: a2, position: [1, 0, 1], fixed: true}}
-  - {{name: a3, position: [0.5, 1, 0], fixed: true}}
-  - {{name: a4, position: [0.5, -1, 0], fixed: true}}
-  - {{name: n1, position: [0, 0, 0]}}
-  - {{name: n2, position: [1, 0, 0]}}
-bars: [{{name: rod, nodes: [n1, n2], mass: 1.0, radius: 1.0e-6}}]
-actuators:
-  - {{name: m1, motor_id: 1, spool_radius: 0.1}}
-  - {{name: m2, motor_id: 2, spool_radius: 0.1}}
-strings:
-  - {{name: s1, nodes: [a1, n1], stiffness: 50, damping: 1.0, rest_length: 0.9, actuator: m1, stiffness_law: {law}}}
-  - {{name: s2, nodes: [a2, n2], stiffness: 50, damping: 1.0, rest_length: 0.9, actuator: m2, stiffness_law: {law}}}
-  - {{name: s3, nodes: [a3, n2], stiffness: 100, damping: 1.0, rest_length: 1.08}}
-  - {{name: s4, nodes: [a4, n1], stiffness: 100, damping: 1.0, rest_length: 1.08}}
-"""
 N = 1000
 DT = 1e-3
 
 
 def _rollouts(law: str):
     """Node trajectories (N, 6, 3) m of the nodal and spring_rod backends (RK4) from the file pose at rest."""
-    s = structure_from_dict(yaml.safe_load(HOIST.format(law=law)), source="<hoist>")
-    t = DT * np.arange(N)[:, None]
-    w, ph = 2 * np.pi * 0.8, np.array([0.0, 0.7])
-    u, ud = -1.5 + 1.5 * np.cos(w * t + ph), -1.5 * w * np.sin(w * t + ph)   # 0..-3 rad: rest 0.9..0.6 m
+    # test_string_laws' hoist, its rod thin (radius -> 0): both backends then model the same zero-thickness bar
+    s = structure_from_dict(yaml.safe_load(HOIST.format(law1=law, law2=law).replace(
+        "mass: 1.0}", "mass: 1.0, radius: 1.0e-6}")), source="<hoist>")
+    u, ud = drive(DT * np.arange(N))                                        # 0..-3 rad: rest 0.9..0.6 m
     inp = Inputs(motor_angles=torch.as_tensor(u).unsqueeze(1), motor_velocities=torch.as_tensor(ud).unsqueeze(1))
     en, er = make_engine(s, "nodal", "rk4"), make_engine(s, "spring_rod", "rk4")
     p = en.default_params()
