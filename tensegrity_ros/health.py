@@ -53,9 +53,8 @@ class Check:
 
     def describe(self) -> str:
         t = self.threshold
-        v = "no data" if self.value is None or not math.isfinite(float(self.value)) else _fmt(self.value, t.unit)
         rel = ">=" if t.op == "min" else "<="
-        return f"{t.figure} {v} (needs {rel} {_fmt(t.limit, t.unit)})"
+        return f"{t.figure} {format_value(self.value, t.unit)} (needs {rel} {format_value(t.limit, t.unit)})"
 
     def as_dict(self) -> dict:
         t = self.threshold
@@ -91,7 +90,10 @@ class Health:
         return 0 if self.healthy else EXIT_DEGRADED
 
 
-def _fmt(v: float, unit: str) -> str:
+def format_value(v: Optional[float], unit: str) -> str:
+    """A figure or threshold for people: fractions in %, counts whole, "no data" for None or NaN."""
+    if v is None or not math.isfinite(float(v)):
+        return "no data"
     v = float(v)
     if unit == "fraction":
         return f"{100.0 * v:.1f} %"

@@ -66,7 +66,7 @@ def test_updates_with_the_shipped_config_converge_on_the_stiffnesses(recording):
         sel = (ds.times > t_end - 10.0) & (ds.times <= t_end)
         out = fit_window(nominal, ds.times[sel], ds.positions[sel], ds.valid[sel], ds.motor_angles[sel], active,
                          stages, options, p["holdout_s"], p["holdout_window_s"], p["holdout_windows"],
-                         p["accept_margin_sigma"], p["accept_min_improvement"])
+                         accept_config(p))
         assert out["ok"], out["error"]
         assert len(out["holdout_mse"]) >= 3                    # scored on data the fit did not see
         # the node's acceptance test: better on the held-out windows by a margin the data support

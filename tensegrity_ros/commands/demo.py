@@ -31,7 +31,7 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 import numpy as np
 
 from . import UserError
-from ..health import EXIT_DEGRADED
+from ..health import EXIT_DEGRADED, format_value
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the niceness the demo asks for: the simulated robot (twin, emulated bus, driver: what a real robot does in
@@ -252,18 +252,12 @@ def run(args) -> int:
                          f"{out / 'report.md'}" + ("" if args.no_bag else f", {out / 'bag'}") + "\n")
         for name, f in health["figures"].items():
             rel = ">=" if f["op"] == "min" else "<="
-            sys.stderr.write(f"  {'ok  ' if f['pass'] else 'FAIL'} {name} = {_show(f['value'], f['unit'])} "
-                             f"(threshold {rel} {_show(f['threshold'], f['unit'])})\n")
+            sys.stderr.write(f"  {'ok  ' if f['pass'] else 'FAIL'} {name} = {format_value(f['value'], f['unit'])} "
+                             f"(threshold {rel} {format_value(f['threshold'], f['unit'])})\n")
         print(health["verdict"] + ("" if health["healthy"] else f" (exit {EXIT_DEGRADED})"), flush=True)
         return 0 if health["healthy"] else EXIT_DEGRADED
     finally:
         graph.shutdown()
-
-
-def _show(v, unit: str) -> str:
-    if v is None:
-        return "no data"
-    return f"{100 * v:.2f} %" if unit == "fraction" else f"{v:.4g} {unit}".strip()
 
 
 def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_ros, out, history) -> dict:
@@ -404,8 +398,8 @@ def _report(graph, summary, truth, nom, est_names, t0_ros, out: Path, nominal, t
         f"{s['rates']['driver_loop_hz']:.1f} Hz, {s['rates']['driver_missed_cycles']} |", "",
         "## Parameters (last published set vs truth)", "", "```", table, "```", "",
         f"## Health: {s['health']['verdict']}", "", "| figure | value | threshold | |", "|---|---|---|---|",
-        *[f"| {n} | {_show(f['value'], f['unit'])} | {'>=' if f['op'] == 'min' else '<='} "
-          f"{_show(f['threshold'], f['unit'])} | {'ok' if f['pass'] else '**FAIL**'} |"
+        *[f"| {n} | {format_value(f['value'], f['unit'])} | {'>=' if f['op'] == 'min' else '<='} "
+          f"{format_value(f['threshold'], f['unit'])} | {'ok' if f['pass'] else '**FAIL**'} |"
           for n, f in s["health"]["figures"].items()], "",
     ]
     if conv:

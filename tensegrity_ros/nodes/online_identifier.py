@@ -347,8 +347,7 @@ NESTED_KINDS = ("stiffness", "rest_length", "mass", "spool_radius", "zero_offset
 
 def fit_window(structure: Structure, times, positions, valid, motors, prior_values: Mapping[str, float],
                stages: Tuple[str, ...], options, holdout_s: float = 2.0, holdout_window_s: float = 0.25,
-               holdout_windows: int = 8, margin_sigma: float = 3.0,
-               min_improvement: float = 0.25) -> Dict[str, object]:
+               holdout_windows: int = 8, accept: AcceptConfig = AcceptConfig()) -> Dict[str, object]:
     """identify() over one window, returned as plain data (picklable): ok, error, values, std_devs,
     identifiability, residual_m, converged, timings, notes, and the held-out scores.
 
@@ -356,7 +355,8 @@ def fit_window(structure: Structure, times, positions, valid, motors, prior_valu
     the active set (``prior_values``) are then both predicted open loop over ``holdout_windows`` windows of
     ``holdout_window_s`` in the held-out part, from the same measured starts (``holdout_mse``,
     ``active_holdout_mse``: per-window mean squared errors, m^2; ``window_rms_m``, ``active_window_rms_m``:
-    their RMS). :func:`decide` accepts the fit only if it is better there by a margin the data support.
+    their RMS). :func:`decide` accepts the fit only if it is better there by a margin the data support
+    (``accept``: the node's acceptance rules, :func:`accept_config`).
 
     Nested: the fit's kinds are taken in the order :data:`NESTED_KINDS`, each group only if the held-out
     prediction with it is significantly better than without it (the others stay at the active set's values);
@@ -398,11 +398,10 @@ def fit_window(structure: Structure, times, positions, valid, motors, prior_valu
                       for j in range(1, len(kinds) + 1)] or [values]
             sets = [prior.with_values(c) for c in nested]
             *mses, act_mse = held_out_mse(structure, held, (*sets, prior), options, holdout_window_s, holdout_windows)
-            cfg = AcceptConfig(margin_sigma=margin_sigma, min_relative_improvement=min_improvement)
             choice, why = None, []
             for j, mse in enumerate(mses):      # the smallest change the held-out data support, then grow it
                 ref = act_mse if choice is None else mses[choice]
-                better, _ = held_out_improvement(mse, ref, cfg)
+                better, _ = held_out_improvement(mse, ref, accept)
                 if better:
                     choice = j
                 elif choice is not None:
@@ -448,10 +447,9 @@ def update_options(p: Mapping[str, object], nominal_params, first: bool = False)
     """(stages, IdentifyOptions) of one update from the node's parameters ``p`` (a plain mapping, so tests and
     offline replays run exactly what the node runs). ``first``: no set accepted yet (the active set is the
     nominal, ~20 % off): ``first_update_iterations`` and ``first_update_max_s`` instead of ``stage2_iterations``
-    and ``max_update_s`` (in the demo, cut short by the 20-s budget on a shared CPU, a first fit ended 35 % off
-    and still predicted better than the nominal). Two iterations from that
-    far off left the stiffnesses at a common scale ~25 % too high (the shape right): a set that predicts
-    better than the nominal, but further from the truth."""
+    and ``max_update_s``. Two iterations from that far off, or a fit cut short by the 20-s budget on a shared
+    CPU, left the stiffnesses at a common scale 25-35 % too high (the shape right): a set that predicts better
+    than the nominal, but lies further from the truth."""
     from ..ident import pipeline
 
     stages = (("regression",) if p["stage1"] or p["stage2_iterations"] == 0 else ()) + \
@@ -657,7 +655,7 @@ class OnlineIdentifierNode(C.GraphNode):
         p = self.p
         return self._pool.submit(fit_window, self.structure, times, positions, valid, motors, prior, stages,
                                  options, p["holdout_s"], p["holdout_window_s"], p["holdout_windows"],
-                                 p["accept_margin_sigma"], p["accept_min_improvement"])
+                                 accept_config(p))
 
     def _collect(self, out: Mapping[str, object]):
         cand = Candidate(values=out["values"], std_devs=out["std_devs"], identifiability=out["identifiability"],
@@ -714,8 +712,8 @@ class OnlineIdentifierNode(C.GraphNode):
                 del self.history[:1000]
         if dec.accept:
             self.pub.publish(C.parameter_set_to_msg(self.active.record))
-            self.get_logger().info(f"accepted {self.active.record.set_id}: "
-                                   f"{held_out_improvement(cand.holdout_mse, cand.active_holdout_mse, self.accept_config())[1]}")
+            _, figures = held_out_improvement(cand.holdout_mse, cand.active_holdout_mse, self.accept_config())
+            self.get_logger().info(f"accepted {self.active.record.set_id}: {figures}")
         else:
             self.get_logger().warn(f"fit rejected, keeping {self.active.record.set_id}: {dec.reason}",
                                    throttle_duration_sec=5.0)
