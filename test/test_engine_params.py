@@ -153,3 +153,25 @@ def test_fixed_and_virtual_nodes_are_output():
     torch.testing.assert_close(X[idx["m"]], 0.5 * (X[idx["c"]] + X[idx["d"]]))
     torch.testing.assert_close(X[idx["v"]], X[idx["b"]])
     assert float((X[idx["a"]] - torch.tensor(s.nodes[idx["a"]].position, dtype=torch.float64)).norm()) > 1e-4
+
+
+def test_params_pickle_by_value_for_worker_processes():
+    """Through multiprocessing's pickler (what a worker job's arguments go through), Params travel as plain
+    arrays: equal on the other side, and no tensor handed over by file descriptor (torch's default, whose
+    listener thread printed a traceback when a worker stopped mid-handover)."""
+    import copy
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    p = make_engine(load_structure(MODELS / "stacked_manipulator.yaml")).default_params().map(lambda t: t.float())
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(p)
+    data = buf.getvalue()
+    assert b"rebuild_storage" not in data and b"DupFd" not in data
+    q = pickle.loads(data)
+    assert q.meta == p.meta and q.dtype == torch.float32
+    for k in p.kinds():
+        assert torch.equal(getattr(q, k), getattr(p, k)), k
+    d = copy.deepcopy(p)
+    assert torch.equal(d.mass, p.mass) and d.mass.data_ptr() != p.mass.data_ptr()

@@ -135,6 +135,24 @@ def test_graph_node_declares_validates_and_rejects_with_reason(rclpy_context):
         _Demo(unique_name("demo"), context=rclpy_context, parameter_overrides=[Parameter("mode", value="warp")])
 
 
+def test_lean_node_leaves_out_qos_event_handlers_only_when_asked(rclpy_context):
+    """bringup's nodes (qos_events=False) give the executor no QoS-event waitables to poll; a node launched on
+    its own keeps rclpy's default handlers, so an incompatible subscriber is still reported."""
+    from std_msgs.msg import Empty
+
+    counts = {}
+    for events in (True, False):
+        node = _Demo(unique_name("lean"), context=rclpy_context, qos_events=events)
+        try:
+            pub = node.create_publisher(Empty, "/lean_test", 10)
+            sub = node.create_subscription(Empty, "/lean_test", lambda m: None, 10)
+            counts[events] = (len(pub.event_handlers), len(sub.event_handlers), len(node._diag_pub.event_handlers))
+        finally:
+            node.destroy_node()
+    assert counts[False] == (0, 0, 0), counts
+    assert all(n > 0 for n in counts[True]), counts
+
+
 def test_sequence_monitor_counts_gaps_and_restarts():
     m = C.SequenceMonitor()
     for s in (1, 2, 3, 6, 7):

@@ -108,6 +108,38 @@ def test_linearised_horizon_matches_the_twin(twin_run, nominal):
         hp.predict(lin, t0 + 1.0, x, 100)
 
 
+def test_correction_is_bounded_and_nonfinite_steps_contribute_nothing(twin_run):
+    """A linearisation that amplifies the deviation (here: Jacobians made 1.2 x identity, unstable) cannot blow
+    the prediction up: each step's correction stays within 3x the initial deviation; NaN Jacobians give the
+    nominal itself. An ordinary message is not touched by the bound."""
+    s, hist = twin_run
+    hp = HorizonPredictor(s, dt=0.01, substeps=0, nominal="twin", jac_stride=5)
+    t0, P0, V0 = hist[100]
+    K = 160
+    lin = hp.linearize(hp.engine.default_params(), t0, P0, V0, u_fn(t0 + 0.01 * np.arange(K + 1)), K).expand()
+    tq, Pq, Vq = hist[110]
+    x = hp.measured_state(s.node_names, Pq, Vq, np.ones(len(Pq), bool))
+    hp.predict(lin, tq, x, 100)
+    assert hp.capped == 0
+    i0 = int(round((tq - lin.t0) / lin.dt))
+    xb = lin.x[i0]
+    d = x - xb
+    npos = 3 * hp.nf
+    cap_p = max(3 * np.abs(d[:npos]).max(), 5e-3)
+    good = lin.Jk32.copy()
+    lin.Jk32[:] = 0.0
+    lin.Jk32[:, :, :hp.n] = 1.2 * np.eye(hp.n, dtype=np.float32)
+    q, _, _ = hp.predict(lin, tq, x, 100)
+    assert hp.capped == 1
+    dev = hp.full_positions(q) - hp.full_positions(lin.x[i0 + 1:i0 + 101, :npos].reshape(100, hp.nf, 3))
+    assert np.all(np.isfinite(dev)) and np.abs(dev).max() <= cap_p * (1 + 1e-5)
+    assert np.abs(dev).max() > 0.9 * cap_p                              # held at the bound, not zeroed
+    lin.Jk32[:] = np.nan
+    q, _, _ = hp.predict(lin, tq, x, 100)
+    np.testing.assert_allclose(q.reshape(100, -1), lin.x[i0 + 1:i0 + 101, :npos], atol=1e-12)
+    lin.Jk32[:] = good
+
+
 def test_jacobians_equal_finite_differences(twin_run):
     import torch
 

@@ -39,6 +39,12 @@ def test_frame_follows_a_known_rotation_vectorised():
     np.testing.assert_allclose(F.relative_pose(c, c), np.broadcast_to(np.eye(4), c.shape), atol=1e-12)
 
 
+def test_cross3_matches_numpy_cross_with_broadcasting():
+    rng = np.random.default_rng(1)
+    u, v = rng.normal(size=(4, 5, 3)), rng.normal(size=(5, 3))
+    np.testing.assert_allclose(F.cross3(u, v), np.cross(u, v), rtol=0, atol=1e-14)
+
+
 def test_euler_zyx_convention():
     yaw = 0.3
     r = F.rotation_zyx([yaw, 0.0, 0.0])

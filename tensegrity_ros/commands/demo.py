@@ -134,9 +134,10 @@ def _status(graph, truth, est_names, t0_ros, elapsed, nominal_err) -> Tuple[str,
     perr = float(np.median(list(errs.values()))) if errs else math.nan
     kinds = ", ".join(f"{k} {v:.1f}%" for k, v in _by_kind(errs).items())
     preds = list(mon.predictions)[-60:]
-    # only the ground truth these predictions can be scored on (their last ~3 s): stacking the whole run's
-    # truth every second grew with the run (quadratic) and took a tenth of the graph process by 45 s
-    gt = list(itertools.islice(reversed(mon.ground_truth), 480))[::-1]
+    # only the ground truth these predictions can be scored on (from the first one's stamp): stacking the whole
+    # run's truth every second grew with the run (quadratic) and took a tenth of the graph process by 45 s
+    since = preds[0].stamp - 0.1 if preds else math.inf
+    gt = list(itertools.takewhile(lambda g: g[0] >= since, reversed(mon.ground_truth)))[::-1]
     pe = math.nan
     if preds and len(gt) > 10:
         t = np.array([g[0] for g in gt])
@@ -292,6 +293,7 @@ def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_
         "health": health.as_dict(),
         "delivery": deliv,
         "priorities": graph.priorities,
+        "gc_pauses_ms": graph.gc.summary() if graph.gc is not None else {},
         "accepted_worse_than_previous": worse,
         "parameter_set_errors_pct": [round(e, 3) for e in set_errors],
         "duration_s": round(duration, 3),
@@ -314,6 +316,7 @@ def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_
         "predictions_published": int(pr.pub.count),
         "predictions_skipped_uncovered": int(pr.skipped_uncovered),
         "predictions_extended": int(pr.stream.extended),
+        "predictions_capped": int(pr.core.capped),    # correction held at its bound (far-off linearisation)
         # the predictor's own score (no truth): each scored prediction against the node states that came later
         # whole run, and the last ~10 s (the predictor's memory): what a controller sees at the end
         "prediction_realized_error_mm": {"at_0.1s": _mm(realized, k_01), "at_0.5s": _mm(realized, k_05),

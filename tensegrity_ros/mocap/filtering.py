@@ -104,14 +104,16 @@ class ConstantVelocityKF:
         """(N,) bool: nodes with a state."""
         return np.isfinite(self.t_last)
 
-    def _propagate(self, dt: np.ndarray) -> np.ndarray:
-        """Covariance after dt (N,) s of prediction: (N, 2, 2)."""
+    def _propagate(self, dt: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Covariance after dt (N,) s of prediction, as its entries p00, p01, p11 (each (N,)): built as
+        components, not (N, 2, 2) stacks, because this runs twice per mocap frame (labeller and ingest)."""
         q = self.config.accel_psd
         P = self.P
-        p00 = P[:, 0, 0] + 2 * dt * P[:, 0, 1] + dt ** 2 * P[:, 1, 1] + q * dt ** 3 / 3
-        p01 = P[:, 0, 1] + dt * P[:, 1, 1] + q * dt ** 2 / 2
-        p11 = P[:, 1, 1] + q * dt
-        return np.stack([np.stack([p00, p01], -1), np.stack([p01, p11], -1)], -2)
+        a, b, c = P[:, 0, 0], P[:, 0, 1], P[:, 1, 1]
+        p00 = a + 2 * dt * b + dt * dt * c + q * dt ** 3 / 3
+        p01 = b + dt * c + q * dt * dt / 2
+        p11 = c + q * dt
+        return p00, p01, p11
 
     def predict(self, t: float) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Predicted state at t without changing the filter.
@@ -122,8 +124,8 @@ class ConstantVelocityKF:
         dt = np.maximum(t - self.t_last, 0.0)
         dte = np.minimum(dt, self.config.max_extrapolation_s)
         pos = self.pos + self.vel * dte[:, None]
-        P = self._propagate(np.nan_to_num(dt))
-        std = np.where(self.initialized, np.sqrt(np.maximum(P[:, 0, 0], 0.0)), np.nan)
+        p00, _, _ = self._propagate(np.where(np.isfinite(dt), dt, 0.0))
+        std = np.where(self.initialized, np.sqrt(np.maximum(p00, 0.0)), np.nan)
         return pos, self.vel.copy(), std
 
     def update(self, t: float, z, valid) -> "KFOutput":
@@ -145,21 +147,27 @@ class ConstantVelocityKF:
             self.vel[fresh] = 0.0
             self.P[fresh] = np.diag([r, cfg.init_velocity_std_mps ** 2])
             self.t_last[fresh] = t
-        if step.any():
+        any_step = bool(step.any())
+        if any_step:
             d = dt[step]
-            P = self._propagate(np.where(step, np.nan_to_num(dt), 0.0))[step]
+            p00, p01, p11 = (v[step] for v in self._propagate(np.where(step, dt, 0.0)))
             pos = self.pos[step] + self.vel[step] * d[:, None]
             vel = self.vel[step]
-            S = P[:, 0, 0] + r
-            K = P[:, :, 0] / S[:, None]  # (n, 2)
+            S = p00 + r
+            k0, k1 = p00 / S, p01 / S    # the Kalman gain (position, velocity)
             innov = z[step] - pos
-            self.pos[step] = pos + K[:, 0:1] * innov
-            self.vel[step] = vel + K[:, 1:2] * innov
-            self.P[step] = P - K[:, :, None] * P[:, 0:1, :]
+            self.pos[step] = pos + k0[:, None] * innov
+            self.vel[step] = vel + k1[:, None] * innov
+            # P - K H P with H = [1 0]: the posterior stays symmetric
+            Pn = np.empty((d.size, 2, 2))
+            Pn[:, 0, 0] = p00 - k0 * p00
+            Pn[:, 0, 1] = Pn[:, 1, 0] = p01 - k0 * p01
+            Pn[:, 1, 1] = p11 - k1 * p01
+            self.P[step] = Pn
             self.t_last[step] = t
         ok = fresh | step
-        if step.any():  # typical sample interval (running median-ish), for the convergence test
-            d = float(np.median(dt[step]))
+        if any_step:  # typical sample interval (running median-ish), for the convergence test
+            d = float(np.median(d))
             self._dt_ref = d if self._dt_ref is None else 0.95 * self._dt_ref + 0.05 * d
         steady = _steady_velocity_std(cfg.accel_psd, r, float(f"{self._dt_ref:.2g}")) if self._dt_ref else np.inf
         vok = ok & (np.sqrt(np.maximum(self.P[:, 1, 1], 0.0)) <= cfg.velocity_converged_factor * steady)

@@ -35,6 +35,7 @@ from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from geometry_msgs.msg import Point, Pose, PoseArray, PoseStamped, Quaternion, TransformStamped, Vector3
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, SetParametersResult
+from rclpy.event_handler import PublisherEventCallbacks, SubscriptionEventCallbacks
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
@@ -237,7 +238,33 @@ def spec_table(specs: Sequence[ParamSpec]) -> Dict[str, ParamSpec]:
 # =====================================================================================================
 # the node base
 # =====================================================================================================
-class GraphNode(Node):
+class LeanNode(Node):
+    """A Node whose publishers and subscriptions can go without rclpy's default QoS-event handlers.
+
+    rclpy gives every publisher and subscription two event handlers (incompatible QoS, incompatible type) that
+    only log a warning. Each is a waitable that the Python executor adds to its wait set, checks and enters on
+    every spin: with the whole simulated graph in one executor, ~8 % of the executor thread's samples (py-spy,
+    the demo). ``qos_events=False`` (what :mod:`tensegrity_ros.bringup` passes) leaves them out: the graph's QoS
+    are ours and compatible by construction. A node launched on its own keeps them (the default), so a user's
+    incompatible subscriber is still reported.
+    """
+
+    def __init__(self, node_name: str, *, qos_events: bool = True, **kwargs):
+        self._qos_events = bool(qos_events)      # set first: Node.__init__ already creates publishers
+        super().__init__(node_name, **kwargs)
+
+    def create_publisher(self, *args, **kwargs):
+        if not getattr(self, "_qos_events", True) and kwargs.get("event_callbacks") is None:
+            kwargs["event_callbacks"] = PublisherEventCallbacks(use_default_callbacks=False)
+        return super().create_publisher(*args, **kwargs)
+
+    def create_subscription(self, *args, **kwargs):
+        if not getattr(self, "_qos_events", True) and kwargs.get("event_callbacks") is None:
+            kwargs["event_callbacks"] = SubscriptionEventCallbacks(use_default_callbacks=False)
+        return super().create_subscription(*args, **kwargs)
+
+
+class GraphNode(LeanNode):
     """Base of the graph's nodes: declared + validated parameters, a /diagnostics publisher, counters.
 
     Subclasses set ``PARAMS`` (a tuple of :class:`ParamSpec`) and may override

@@ -76,6 +76,9 @@ PARAMS = (
               "offset (0.4, 0.005, -0.3) m", check=C.transform_list, read_only=True, type_="double_array"),
     ParamSpec("mocap_frame_id", "mocap", "frame_id of the markers", read_only=True),
     ParamSpec("publish_ground_truth", True, "publish /sim/ground_truth", read_only=True),
+    ParamSpec("ground_truth_every", 1, "publish /sim/ground_truth at every n-th mocap frame (its consumers "
+              "interpolate; each message costs a DDS write here and a callback in every subscriber)",
+              range=(1, 1000), read_only=True),
     ParamSpec("seed", 0, "seed of the marker noise / occlusion / shuffling", range=(0, 2 ** 31 - 1), read_only=True),
     ParamSpec("diagnostics_period_s", 1.0, "diagnostics period [s]", range=(0.05, 60.0), read_only=True),
 )
@@ -199,7 +202,7 @@ class SimRobotNode(C.GraphNode):
         m = markers_from_nodes(P, self.frame, self.marker_idx, self.p["marker_noise_m"], self.p["occlusion_prob"],
                                self.rng)
         self.pub_markers.publish(C.pose_array_to_cdr(stamp, m, self.p["mocap_frame_id"]))
-        if self.pub_truth is not None:
+        if self.pub_truth is not None and (self.frames - 1) % self.p["ground_truth_every"] == 0:
             V = self.sim.node_velocities()
             self.last_truth = (stamp, P, V)
             self.pub_truth.publish(C.node_states_to_cdr(stamp, self.true_structure.node_names, P, V,
