@@ -10,7 +10,7 @@ package.xml (rosdep), not here.
 from setuptools import find_packages, setup
 
 PACKAGE = "tensegrity_ros"
-NODES = ("dynamixel_driver", "mocap_ingest", "online_identifier", "state_predictor", "sim_robot")
+NODES = ("dynamixel_driver", "mocap_ingest", "online_identifier", "state_predictor", "sim_robot", "plate_controller")
 
 setup(
     name=PACKAGE,

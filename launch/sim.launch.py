@@ -16,6 +16,7 @@ import os
 
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, IncludeLaunchDescription, TimerAction
+from launch.conditions import IfCondition
 from launch.launch_description_sources import PythonLaunchDescriptionSource
 from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
 from launch_ros.actions import Node
@@ -50,6 +51,9 @@ def generate_launch_description():
         DeclareLaunchArgument("reference_file", default_value=_share("config", "references", "seed_sinusoids.yaml")),
         DeclareLaunchArgument("record", default_value="false"),
         DeclareLaunchArgument("bag_path", default_value="sim_run"),
+        DeclareLaunchArgument("controller", default_value="false",
+                              description="also start plate_controller (MPC of the top plate, docs/control.md); "
+                                          "it publishes /tensegrity/motor_plan, which the driver does not follow yet"),
     ]
     sim = Node(package=PACKAGE, executable="sim_robot", name="sim_robot", output="screen",
                parameters=[_config("sim_robot.yaml"),
@@ -62,5 +66,9 @@ def generate_launch_description():
         launch_arguments={"model_file": model_file, "reference_file": reference_file,
                           "mocap_topic": "/mocap/markers", "use_sim_time": "false",
                           "record": LaunchConfiguration("record"), "bag_path": LaunchConfiguration("bag_path")}.items())
+    controller = Node(package=PACKAGE, executable="plate_controller", name="plate_controller", output="screen",
+                      condition=IfCondition(LaunchConfiguration("controller")),
+                      parameters=[_config("plate_controller.yaml"), {"model_file": model_file}])
     # the driver opens the pty that sim_robot links: give sim_robot a head start
-    return LaunchDescription(_isolation() + arguments + [sim, TimerAction(period=3.0, actions=[driver]), graph])
+    return LaunchDescription(_isolation() + arguments + [sim, TimerAction(period=3.0, actions=[driver]), graph,
+                                                         controller])

@@ -1,0 +1,278 @@
+"""``plate_controller``: model-based control of the top plate's pose (docs/control.md).
+
+Every ``control_period_s`` it solves the LTV MPC of :mod:`tensegrity_ros.control` from the latest node states,
+along the latest linearisation, towards the latest target, and publishes the plan. The linearisation is the
+predictor's own job (:func:`~.state_predictor.relinearize_job`: twin nominal + engine Jacobians, with the
+identified parameters) run by this node's worker from the latest measured state, with the controller's own
+plan as the motor future -- the predictor's ``~/get_linearization`` service carries A_k, B_k but not the nominal
+states, and shipping 50 x 108 x 114 doubles per cycle over DDS costs more than computing them here.
+
+Topics: subscribes ``/tensegrity/node_states``, ``/tensegrity/motor_states`` (the present angles before the first
+plan), ``/tensegrity/identified_parameters``, ``/tensegrity/plate_target`` (geometry_msgs/PoseStamped: C2 in
+``target_frame``, default "C0"); publishes ``/tensegrity/motor_plan`` (trajectory_msgs/JointTrajectory when
+installed, else sensor_msgs/JointState with position = N x A angles row-major, one prediction step (``dt``) apart,
+header.stamp = the time of the first: the state_predictor's plan convention) and ``/diagnostics`` (status, reason,
+solve time p50/p99, tracking error, limits active). Stale inputs: the plan holds the present command and the
+status says ``stale``; rejected targets (NaN, other frame, out of the workspace) keep the previous target and
+the diagnostics give the reason.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+
+from ..control import MPCOptions, PlateMPC, PlateOutputMap, Status
+from ..control.targets import target_from_pose
+from ..model import load_structure
+from . import _common as C
+from ._common import ParamSpec
+from .state_predictor import HorizonPredictor, MotorPlan, core_job, relinearize_job
+
+PARAMS = (
+    ParamSpec("model_file", "", "structure YAML (nominal model; identified values replace its parameters)",
+              check=C.required_file, read_only=True),
+    ParamSpec("control_period_s", 0.05, "control cycle [s] (= plan knot spacing)", range=(0.005, 1.0), read_only=True),
+    ParamSpec("dt", 0.01, "prediction step [s]", range=(1e-3, 0.1), read_only=True),
+    ParamSpec("horizon_s", 0.5, "MPC horizon [s]", range=(0.02, 5.0), read_only=True),
+    ParamSpec("nominal_margin_s", 1.0, "nominal length beyond the horizon, so one linearisation serves several "
+              "cycles [s]", range=(0.0, 10.0), read_only=True),
+    ParamSpec("position_tol_m", 0.002, "plate position error that costs 1 per step [m]", range=(1e-5, 1.0)),
+    ParamSpec("angle_tol_rad", 0.01745, "plate angle error that costs 1 per step [rad]", range=(1e-5, 1.0)),
+    ParamSpec("max_rate_rad_s", 1.0, "plan rate limit [rad/s] (<= the driver's max_rate)", range=(1e-3, 20.0),
+              read_only=True),
+    ParamSpec("limit_margin_rad", 0.0, "keep this far inside the actuator limits [rad]", range=(0.0, 1.0),
+              read_only=True),
+    ParamSpec("disturbance", "velocity", "steady model error: disturbance estimate velocity | state | off",
+              choices=("velocity", "state", "off"), read_only=True),
+    ParamSpec("input_model", "ramp", "motor motion between plan knots: ramp | hold", choices=("ramp", "hold"),
+              read_only=True),
+    ParamSpec("max_input_age_s", 0.25, "older node states make the plan hold (stale) [s]", range=(0.01, 10.0)),
+    ParamSpec("target_frame", "C0", "frame_id plate targets must carry", read_only=True),
+    ParamSpec("max_target_offset_m", 0.1, "reject targets farther from the plate than this [m]", range=(0.0, 2.0)),
+    ParamSpec("max_target_angle_rad", 0.5, "reject targets turned more than this from the plate [rad]",
+              range=(0.0, 3.2)),
+    ParamSpec("worker", "process", "where linearisations run: process | thread", choices=C.WORKER_KINDS,
+              read_only=True),
+    ParamSpec("torch_threads", 1, "torch threads of the worker", range=(1, 64), read_only=True),
+    ParamSpec("diagnostics_period_s", 1.0, "diagnostics period [s]", range=(0.05, 60.0), read_only=True),
+)
+
+
+class PlateControllerNode(C.GraphNode):
+    DEFAULT_NAME = "plate_controller"
+    PARAMS = PARAMS
+
+    def __init__(self, node_name: str = DEFAULT_NAME, **kwargs):
+        super().__init__(node_name, **kwargs)
+        from geometry_msgs.msg import PoseStamped
+        from sensor_msgs.msg import JointState
+        from tensegrity_ros.msg import IdentifiedParameters, NodeStates
+
+        p = self.p
+        self.structure = load_structure(p["model_file"])
+        self.core = HorizonPredictor(self.structure, dt=p["dt"], nominal="twin", jac_stride=10)
+        self.core_options = {"dt": p["dt"], "nominal": "twin", "jac_stride": 10}
+        self.N = max(1, int(round(p["horizon_s"] / p["dt"])))
+        self.block = max(1, int(round(p["control_period_s"] / p["dt"])))
+        self.lin_steps = self.N + max(self.block, int(round(p["nominal_margin_s"] / p["dt"])))
+        self.options = MPCOptions(horizon_steps=self.N, block_steps=self.block, position_tol_m=p["position_tol_m"],
+                                  angle_tol_rad=p["angle_tol_rad"], max_rate_rad_s=p["max_rate_rad_s"],
+                                  limit_margin_rad=p["limit_margin_rad"], disturbance=p["disturbance"],
+                                  input_model=p["input_model"], max_input_age_s=p["max_input_age_s"])
+        self.output = PlateOutputMap.from_structure(self.structure)
+        self.mpc = PlateMPC.from_structure(self.structure, self.output, self.options)
+        self.motor_names = self.mpc.motor_names
+        self.values = {n: float(v) for n, v in self.core.engine.default_params().named().items()}
+        self.set_id = "nominal"
+        self._lock = threading.Lock()
+        self._state = None                  # latest NodeStatesRecord
+        self._angles: Optional[np.ndarray] = None
+        self._plan: Optional[MotorPlan] = None
+        self._lin = None
+        self.target: Optional[np.ndarray] = None
+        self.target_reason = "no target yet"
+        self.rejected = 0
+        self.last = None                    # last MPCResult
+        self._last_stamp = None
+        self.solve = C.RollingStats(2000)
+        self.lin_time = C.RollingStats(200)
+        self.cycles = 0
+        self.plate_error = (math.nan, math.nan)
+
+        self.subscribe(NodeStates, C.TOPICS["node_states"], self._on_states, C.STREAM_QOS, info=False)
+        self.subscribe(JointState, C.TOPICS["motor_states"], self._on_motors, C.STREAM_QOS, info=False)
+        self.subscribe(IdentifiedParameters, C.TOPICS["identified_parameters"], self._on_params, C.LATCHED_QOS,
+                       info=False)
+        self.subscribe(PoseStamped, "/tensegrity/plate_target", self._on_target, 10, info=False)
+        try:
+            from trajectory_msgs.msg import JointTrajectory
+            self._plan_cls = JointTrajectory
+        except ImportError:
+            self._plan_cls = JointState
+        self.pub = self.counting_publisher(self._plan_cls, C.TOPICS["motor_plan"], 10)
+        nice = 5 if p["worker"] == "process" else 0          # the worker yields to the control cycle
+        self._pool = C.make_worker(p["worker"], C.worker_init, (p["torch_threads"], nice))
+        self._key = id(self)
+        self._pool.submit(core_job, self._key, self.structure, self.core_options).result()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._linearizer, name="plate-controller-linearizer", daemon=True)
+        self._thread.start()
+        self.every(p["control_period_s"], self._cycle)
+        self.every(p["diagnostics_period_s"], self._diagnostics)
+
+    # ---- inputs -----------------------------------------------------------------------------------------
+    def _on_states(self, msg) -> None:
+        rec = C.node_states_from_msg(msg)
+        with self._lock:
+            self._state = rec
+        self._wake.set()
+
+    def _on_motors(self, msg) -> None:
+        r = C.joint_state_from_msg(msg)
+        idx = {n: i for i, n in enumerate(r.names)}
+        if all(n in idx for n in self.motor_names):
+            self._angles = np.array([r.position[idx[n]] for n in self.motor_names])
+
+    def _on_params(self, msg) -> None:
+        ps = C.parameter_set_from_msg(msg)
+        known = set(self.values)
+        with self._lock:
+            self.values.update({n: float(v) for n, v in zip(ps.names, ps.values) if n in known})
+            self.set_id = ps.set_id
+
+    def _on_target(self, msg) -> None:
+        o, q = msg.pose.position, msg.pose.orientation
+        present = self._present()
+        y, why = target_from_pose((o.x, o.y, o.z), (q.x, q.y, q.z, q.w), msg.header.frame_id, present,
+                                  self.p["target_frame"], self.p["max_target_offset_m"], self.p["max_target_angle_rad"])
+        if y is None:
+            self.rejected += 1
+            self.target_reason = f"rejected: {why}"
+            self.get_logger().warn(f"plate target {self.target_reason}", throttle_duration_sec=2.0)
+            return
+        self.target, self.target_reason = y, "accepted"
+
+    def _present(self) -> Optional[np.ndarray]:
+        st = self._state
+        if st is None:
+            return None
+        x = self.core.measured_state(st.names, st.positions, st.velocities, st.valid)
+        return self.output.value(x) if np.all(np.isfinite(x[:x.size // 2])) else None
+
+    def _command_now(self, t: float) -> Optional[np.ndarray]:
+        """The angles commanded now: the last plan at t, else the measured angles."""
+        if self._plan is not None:
+            return self._plan.at([t], self.motor_names, self._angles if self._angles is not None
+                                 else np.zeros(len(self.motor_names)))[0]
+        return self._angles
+
+    # ---- the linearisation (background thread, worker) ----------------------------------------------------------
+    def _linearizer(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(0.5)
+            self._wake.clear()
+            with self._lock:
+                st, values, set_id = self._state, dict(self.values), self.set_id
+            u0 = None if st is None else self._command_now(st.stamp)
+            if st is None or u0 is None:
+                continue
+            # the message's nodes (any order, some occluded) -> all structure nodes, as the predictor does:
+            # unseen free nodes from the current nominal, else the file pose; dependent nodes from the free ones
+            core, lin = self.core, self._lin
+            x = core.measured_state(st.names, st.positions, st.velocities, st.valid)
+            if lin is not None and core.covers(lin, st.stamp, 0, extended=True):
+                x = np.where(np.isfinite(x), x, lin.xe[min(int(round((st.stamp - lin.t0) / lin.dt)),
+                                                           lin.xe.shape[0] - 1)])
+            q, v = core.split(x)
+            P = core.full_positions(np.where(np.isfinite(q), q, core.X0[core.free]))
+            V = core.full_velocities(np.where(np.isfinite(v), v, 0.0))
+            times = st.stamp + core.dt * np.arange(self.lin_steps + 1)
+            u = self._plan.at(times, self.motor_names, u0) if self._plan is not None else \
+                np.repeat(u0[None], times.size, 0)
+            try:
+                t_start = time.perf_counter()
+                lin = self._pool.submit(relinearize_job, self._key, self.structure, self.core_options, values,
+                                        st.stamp, P, V, u, self.lin_steps, set_id).result()
+                # a late next linearisation: continue this one with its frozen last-step model (bounded, see
+                # Linearization.expand) rather than hold
+                self._lin = lin.expand(self.N)
+                self.lin_time.add(time.perf_counter() - t_start)
+            except Exception as e:  # noqa: BLE001 - a failed linearisation makes the next cycles stale, said so
+                self.get_logger().error(f"linearisation failed: {e}", throttle_duration_sec=5.0)
+
+    # ---- the cycle ----------------------------------------------------------------------------------------
+    def _cycle(self) -> None:
+        st, lin, target = self._state, self._lin, self.target
+        if st is None or target is None:
+            return
+        now = self.now_s()
+        u_now = self._command_now(now)
+        if u_now is None:
+            return
+        dt = self.core.dt
+        i0 = int(round((st.stamp - lin.t0) / dt)) if lin is not None else -1
+        if lin is None or i0 < 0 or i0 + self.N > lin.steps + lin.ext_steps:
+            why = "no linearisation yet" if lin is None else \
+                f"the latest linearisation ({st.stamp - lin.t0:.2f} s old) does not cover the horizon"
+            res = self.mpc.hold(u_now, dt, Status.STALE, why + ": holding")
+        else:
+            x = self.core.measured_state(st.names, st.positions, st.velocities, st.valid)
+            A, B = lin.step_jacobians(i0, self.N)
+            elapsed = st.stamp - self._last_stamp if self._last_stamp is not None else 0.0
+            res = self.mpc.solve(x, lin.xe[i0:], lin.ue[i0:], A, B, target, u_now, dt, age_s=now - st.stamp,
+                                 elapsed_s=max(elapsed, 0.0))
+            self._last_stamp = st.stamp
+            self.solve.add(res.solve_s)
+        self.last, self.cycles = res, self.cycles + 1
+        if res.error_now is not None:
+            self.plate_error = (float(np.linalg.norm(res.error_now[:3])), float(np.abs(res.error_now[3:6]).max()))
+        t_first = (st.stamp if res.ok else now) + dt     # step_plan[k]: the angle at t_first + k dt
+        # kept with its start (the present command at t_first - dt: where the ramp begins) for _command_now
+        times = t_first + dt * np.arange(-1, res.step_plan.shape[0])
+        self._plan = MotorPlan(times, self.motor_names, np.vstack([u_now[None], res.step_plan]), now)
+        self.pub.publish(self._plan_msg(t_first, res.step_plan))
+
+    def _plan_msg(self, t0: float, angles: np.ndarray):
+        msg = self._plan_cls()
+        msg.header.stamp = C.sec_to_stamp(t0)
+        if self._plan_cls.__name__ == "JointState":
+            msg.name = list(self.motor_names)
+            msg.position = angles.reshape(-1).tolist()
+            return msg
+        from builtin_interfaces.msg import Duration  # pragma: no cover - needs trajectory_msgs
+        from trajectory_msgs.msg import JointTrajectoryPoint
+        msg.joint_names = list(self.motor_names)
+        for k, a in enumerate(angles):
+            s = k * self.core.dt
+            msg.points.append(JointTrajectoryPoint(positions=a.tolist(), time_from_start=Duration(
+                sec=int(s), nanosec=int(round((s - int(s)) * 1e9)))))
+        return msg
+
+    def _diagnostics(self) -> None:
+        r = self.last
+        status = "waiting" if r is None else r.status.value
+        level = "ok" if status in ("solved", "waiting") else "warn"
+        vals = {"status": status, "reason": "" if r is None else r.message, "target": self.target_reason,
+                "targets_rejected": self.rejected, "cycles": self.cycles, "plans_published": self.pub.count,
+                "parameter_set_id": self.set_id, "plate_error_mm": self.plate_error[0] * 1e3,
+                "plate_error_deg": math.degrees(self.plate_error[1]),
+                "limits_active": 0 if r is None else r.active_limits}
+        vals.update(self.solve.summary(1e3, "solve_ms_"))
+        vals.update(self.lin_time.summary(1e3, "linearize_ms_"))
+        self.publish_diagnostics([C.diag_status(self.get_name(), level, f"{status}; target {self.target_reason}",
+                                                vals)])
+
+    def destroy_node(self):
+        self._stop.set()
+        self._wake.set()
+        C.stop_worker(self._pool)
+        return super().destroy_node()
+
+
+def main(argv=None) -> int:  # pragma: no cover - entry point
+    return C.run_node(PlateControllerNode, argv)
