@@ -4,7 +4,7 @@ Each bench module exposes ``run(...) -> dict`` and writes its own JSON; this scr
 prints a one-screen summary of the headline figures next to their targets, and writes
 ``build/bench/summary.json``. Speed lives here, never in timed test assertions.
 
-    python bench/run_all.py [--quick] [--only engine,hardware,identification,graph]
+    python bench/run_all.py [--quick] [--only engine,hardware,identification,graph,generality]
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ BENCHES = {
     "hardware": ("bench_hardware", {"duration_s": 60.0}, {"duration_s": 10.0}),
     "identification": ("bench_identification", {"quick": False}, {"quick": True}),
     "graph": ("bench_graph", {"duration_s": 300.0}, {"duration_s": 30.0}),
+    "generality": ("bench_generality", {}, {"structures": ("prism4_fixed",)}),
 }
 
 #: (bench, json path, label, target text, check) — the headline figures.
@@ -49,6 +50,16 @@ HEADLINES = [
     ("graph", "health.figures.identifier_update_period_s_p50.value", "graph: identifier update period p50 [s]",
      "<= 10", lambda v: v <= 10),
     ("graph", "health.healthy", "graph run HEALTHY (config/health.yaml)", "True", lambda v: v is True),
+    ("generality", "worst.stiffness_median_pct", "generality suite: stiffness median error, worst [%]", "< 5",
+     lambda v: v < 5),
+    ("generality", "worst.damping_median_pct", "generality suite: damping median error, worst [%]", "< 15",
+     lambda v: v < 15),
+    ("generality", "worst.mass_median_pct", "generality suite: mass median error, worst [%]", "< 3", lambda v: v < 3),
+    ("generality", "worst.rest_length_median_mm", "generality suite: rest-length median error, worst [mm]", "< 1",
+     lambda v: v < 1),
+    ("generality", "worst.inside_2sigma", "generality suite: truth inside +-2 sigma, worst", ">= 0.9",
+     lambda v: v >= 0.9),
+    ("generality", "targets_met", "generality suite: every item-6 target met", "True", lambda v: v is True),
 ]
 
 

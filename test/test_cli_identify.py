@@ -54,9 +54,21 @@ def test_identify_writes_a_valid_structure_file_and_a_report(recorded, tmp_path,
                "--longer-windows", "0.2:3:1"])
     assert rc == 0
     # the progress bar must not stop stage 2 (tqdm's update() returns True when it redraws)
-    assert "stopped by the callback" not in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "stopped by the callback" not in printed
     summary = json.loads((report / "summary.json").read_text())
     assert any("continued on 0.2-s windows" in n for n in summary["notes"])
+    # the model check and the held-out check, with their figures, where they are seen (issue 17 items 2, 5)
+    mm = summary["model_mismatch"]
+    assert mm["status"] in ("model_ok", "model_mismatch", "fit_not_converged") and mm["noise_std_m"] > 0
+    assert mm["noise_std_m"] == pytest.approx(0.3e-3, rel=0.15)      # the bag's 0.3 mm, from the tracks alone
+    assert "max_ratio" in mm["thresholds"]
+    assert summary["held_out"]["windows"] >= 3 and summary["held_out"]["verdict"] != "not_checked"
+    assert summary["held_out"]["fit_rms_m"] > 0 and summary["held_out"]["prior_rms_m"] > 0
+    assert "model check" in printed.lower() or "MODEL MISMATCH" in printed
+    assert "held-out check" in printed.lower()
+    text = (report / "parameters.txt").read_text().lower()
+    assert "model check" in text or "model mismatch" in text
     identified = load_structure(out)                                 # a valid structure file
     assert main(["validate", str(out)]) == 0
     names = {k for k, _ in identified.std_devs}
@@ -143,13 +155,21 @@ def test_bad_model_file_exits_2(tmp_path, capsys):
 
 @pytest.mark.parametrize("flag, value", [("--prior-std", "stifness=0.2"), ("--longer-windows", "0.3:24"),
                                          ("--longer-windows", "0.3:x:3"), ("--longer-windows", "0:24:3"),
-                                         ("--workers", "0"), ("--workers", "two")])
+                                         ("--workers", "0"), ("--workers", "two"),
+                                         ("--prior-std", "rest_length=2%"), ("--prior-std", "mass=x%"),
+                                         ("--holdout", "0.9"), ("--holdout", "-0.1")])
 def test_bad_flag_fails_before_reading_the_bag(tmp_path, capsys, flag, value):
     out = tmp_path / "params.yaml"
     rc = main(["identify", str(tmp_path / "no_such_bag"), "--model", str(MANIPULATOR), "--out", str(out),
                flag, value])
     assert rc == 2 and not out.exists()
     assert flag in capsys.readouterr().err
+
+
+def test_prior_std_takes_percent():
+    from tensegrity_ros.commands.identify import _prior_std
+    assert _prior_std("mass=2%,stiffness=0.2,rest_length=0.002", ("mass", "stiffness", "rest_length")) == \
+        pytest.approx({"mass": 0.02, "stiffness": 0.2, "rest_length": 0.002})
 
 
 def test_workers_default_to_the_usable_cores_at_most_8():

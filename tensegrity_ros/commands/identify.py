@@ -61,7 +61,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--noise-mm", type=float, default=1.0, help="marker noise of the recording, std [mm]")
     parser.add_argument("--prior-std", default="stiffness=0.2,damping=0.2,mass=0.2,rest_length=0.003",
                         help="the model file's uncertainty: Gaussian prior of stage 2 around it, per kind "
-                             "(relative; rest_length in m); 'none' = no prior")
+                             "(relative, as a fraction or in %%, e.g. mass=2%% for weighed bars; rest_length in m); "
+                             "a mass prior sets the overall scale (absolute values with their std), no mass prior "
+                             "holds the nominal total mass fixed (ratios reported); 'none' = no prior")
+    parser.add_argument("--holdout", type=float, default=0.1,
+                        help="fraction of the recording set aside, in 0.2-s windows spread over it, to check at the "
+                             "end that the fit predicts better than the nominal model (0: no check)")
     parser.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (default: auto, cuda when present)")
     parser.add_argument("--workers", default="auto",
                         help="processes that share stage 2's windows on a Linux CPU (same result, ~1.5-1.8x faster "
@@ -93,6 +98,7 @@ def run(args) -> int:
                                                           hint="seconds; leave it out for no budget")
     window = finite("--window", args.window, lo=0, lo_open=True, hint="seconds, e.g. 0.1")
     noise_mm = finite("--noise-mm", args.noise_mm, lo=0, lo_open=True, hint="marker noise std in mm, e.g. 1.0")
+    holdout = finite("--holdout", args.holdout, lo=0, hi=0.5, hint="a fraction of the recording, e.g. 0.1; 0: no check")
     _device(args.device)
     structure = load_model(args.model)
     guess = invert_transform(load_mocap_frame(args.mocap_frame).matrix)  # labeller wants mocap -> structure
@@ -132,7 +138,8 @@ def run(args) -> int:
     options = IdentifyOptions(estimate=estimate, refine_kinds=refine_kinds,
                               estimate_delay=args.estimate_delay, max_iter=args.max_iter, max_time_s=max_time,
                               window_s=window, max_windows=args.windows, noise_std_m=noise_mm * 1e-3,
-                              prior_std=prior_std, longer_windows=longer, device=args.device, workers=workers)
+                              prior_std=prior_std, longer_windows=longer, device=args.device, workers=workers,
+                              heldout_check=holdout > 0, heldout_fraction=holdout or 0.1)
     iters = args.max_iter + sum(it for _, _, it in longer)
     with progress_bar(iters if "refine" in stages else 1, "identifying") as bar:
         last = {"iteration": None}
@@ -155,7 +162,8 @@ def run(args) -> int:
 
     identified = _checked(apply_to_structure(structure, result.params, result.std_devs), args.bag)
     header = (f"Identified by `tensegrity identify` from {args.bag} ({rec.duration_s:.1f} s); "
-              f"residual RMS {result.residual_rms_m * 1e3:.2f} mm; converged={result.converged}.\n"
+              f"residual RMS {result.residual_rms_m * 1e3:.2f} mm; converged={result.converged}; "
+              f"{result.model_mismatch.status if result.model_mismatch is not None else 'model_not_checked'}.\n"
               f"Values are in place; std_devs holds their standard deviations.")
     with ExitStack() as outputs:                    # both appear at the end, or neither does
         out_tmp = outputs.enter_context(atomic_output(out, "file", args.force, "--out"))
@@ -165,7 +173,22 @@ def run(args) -> int:
     if report:
         print(f"report: {args.report} (1-s prediction RMS {rms_mm:.1f} mm)")
     print(f"wrote {args.out}")
+    for line in verdict_lines(result):
+        print(line)
     return 0
+
+
+def verdict_lines(result):
+    """The last lines a person sees: the model check and the held-out check, loud when they fail."""
+    lines = []
+    mm, ho = result.model_mismatch, result.held_out
+    if mm is not None:
+        lines.append(("WARNING: " if mm.mismatch else "") + mm.line())
+    if ho is not None:
+        lines.append(("WARNING: " if ho.verdict == "worse" else "") + ho.line())
+    if result.prior_dominated:
+        lines.append(f"kept at the prior (the data do not move them): {', '.join(result.prior_dominated)}")
+    return lines
 
 
 def _ladder(flags):
@@ -223,8 +246,12 @@ def _prior_std(text: str, valid):
     out = {}
     for part in text.split(","):
         kind, _, val = part.partition("=")
+        val = val.strip()
         try:
-            out[kind.strip()] = float(val)
+            pct = val.endswith("%")
+            out[kind.strip()] = float(val[:-1]) / 100.0 if pct else float(val)
+            if pct and kind.strip() in ("rest_length", "zero_offset"):
+                raise UserError(f"--prior-std: {part!r}: {kind.strip()} takes an absolute value (m or rad), not %")
         except ValueError:
             raise UserError(f"--prior-std: {part!r} is not kind=value (e.g. stiffness=0.2)") from None
         if kind.strip() not in valid or not 0 < out[kind.strip()] < float("inf"):
@@ -307,12 +334,14 @@ def _write_report(tmp: Path, structure, identified, series, rec, dataset, result
     seen = np.isfinite(err).any(axis=1)
     per_frame = np.full(len(err), np.nan)
     per_frame[seen] = np.sqrt(np.nanmean(err[seen] ** 2, axis=1))
-    plot_residuals(dataset.times, 1e3 * per_frame, tmp / "residuals.png", label="1-s prediction node RMS error")
+    plot_residuals(dataset.times, 1e3 * per_frame, tmp / "residuals.png", label="1-s prediction node RMS error",
+                   title=" | ".join(verdict_lines(result)))
     plot_convergence([{**h["params"], "loss": h["loss"]} for h in result.history if "params" in h],
                      tmp / "convergence.png", x_label="loss evaluation")
     table = parameter_table({n: v for n, v in result.values().items() if n in result.std_devs},
                             result.std_devs, result.identifiability)
-    (tmp / "parameters.txt").write_text(result.summary() + "\n\n" + table + "\n")
+    (tmp / "parameters.txt").write_text("\n".join(verdict_lines(result)) + "\n\n" + result.summary() + "\n\n" + table
+                                        + "\n")
     summary = {**result.to_dict(), "bag": str(rec.path), "duration_s": rec.duration_s,
                "prediction_1s_rms_mm": float(1e3 * np.sqrt(np.nanmean(err ** 2)))}
     (tmp / "summary.json").write_text(json.dumps(summary, indent=2, default=float))

@@ -6,7 +6,12 @@
   (and rest-length offsets), bar-length multipliers eliminated by a null-space projection.
 * :mod:`.refine` -- stage 2: all parameters (plus actuator mapping and motor delay) through engine
   rollouts, multiple shooting, L-BFGS / Adam.
-* :mod:`.uncertainty` -- Gauss-Newton covariance, identifiability, identifiable ratios.
+* :mod:`.uncertainty` -- Gauss-Newton covariance (sandwich-calibrated by default), identifiability,
+  identifiable ratios.
+* :mod:`.mismatch` -- can the fitted model explain the data? (residual vs the noise estimated from the tracks,
+  structure of the residual in time).
+* :mod:`.heldout` -- held-out windows set aside before the fit; fit vs nominal on them; parameters the data
+  cannot move.
 * :mod:`.pipeline` -- :func:`identify`, the single entry point.
 * :mod:`.baselines` -- least squares (L-BFGS-B) and CMA-ES with MuJoCo in the loop, ``mujoco.sysid``.
 

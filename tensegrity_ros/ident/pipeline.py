@@ -25,6 +25,8 @@ from ..engine import Params, build_topology, params_from_structure
 from ..model import Structure
 from .data import Dataset, screen_dataset
 from .errors import DataError, DivergenceError, IdentificationError, NotEnoughDataError
+from .heldout import HeldOutCheck, compare_on_held_out, prior_dominated, reserve_held_out
+from .mismatch import MismatchOptions, ModelMismatch, check_model
 from .refine import RefineOptions, RefineProblem, RefineResult, refine
 from .regression import SCALE_KINDS, RegressionOptions, RegressionResult, regress
 
@@ -81,6 +83,21 @@ class IdentifyOptions:
         (``RefineOptions.workers``).
         On the manipulator bench two gave 1.77x on 24 x 0.1-s Jacobians and 1.54x on 8 x 1.0-s ones.
     raise_errors: raise the typed errors instead of returning ``ok=False``.
+    model_check / mismatch: after stage 2, judge whether the model explains the data (the residual against
+        the noise estimated from the tracks, and its structure in time; :mod:`.mismatch`), with these
+        thresholds (``IdentificationResult.model_mismatch``).
+    uncertainty: how the covariance's standard deviations are calibrated (``sandwich``: by the residual's
+        actual size and its correlation within windows, prior included; ``none``: the noise level
+        ``noise_std_m`` and independent residuals assumed; see :mod:`.uncertainty`).
+    heldout_check / heldout_fraction / heldout_window_s / heldout_windows / heldout_margin_sigma: set aside
+        about ``heldout_fraction`` of the recording's time in windows of ``heldout_window_s`` (3 to
+        ``heldout_windows``) before the fit; after stage 2 predict them with the fit and with the prior, and say
+        which predicts better by more than ``heldout_margin_sigma`` standard errors
+        (``IdentificationResult.held_out``; :mod:`.heldout`). Off by default here (the online identifier holds
+        out its own data); ``tensegrity identify`` turns it on.
+    prior_dominated_ratio: a parameter whose posterior std is still above this fraction of its prior std is
+        not determined by the data: it keeps the prior's value and std and is listed in ``prior_dominated``
+        (None: leave it where the fit put it).
     """
 
     backend: str = "nodal"
@@ -119,10 +136,21 @@ class IdentifyOptions:
     num_threads: Optional[int] = 1
     workers: int = 1
     raise_errors: bool = False
+    model_check: bool = True
+    mismatch: MismatchOptions = MismatchOptions()
+    uncertainty: str = "sandwich"
+    heldout_check: bool = False
+    heldout_fraction: float = 0.1
+    heldout_window_s: float = 0.2
+    heldout_windows: int = 16
+    heldout_margin_sigma: float = 2.0
+    prior_dominated_ratio: Optional[float] = 0.9
 
     def __post_init__(self):
         if self.stage2_start not in ("auto", "stage1", "prior"):
             raise ValueError(f"IdentifyOptions.stage2_start = {self.stage2_start!r} (valid: auto, stage1, prior)")
+        if self.uncertainty not in ("sandwich", "none"):
+            raise ValueError(f"IdentifyOptions.uncertainty = {self.uncertainty!r} (valid: sandwich, none)")
         if self.backend not in ("nodal", "spring_rod"):
             raise ValueError(f"IdentifyOptions.backend = {self.backend!r} (valid: nodal, spring_rod)")
         for k, stage in enumerate(self.longer_windows):
@@ -169,6 +197,16 @@ class IdentificationResult:
     refinement: Optional[RefineResult] = None
     delay_std_s: Optional[float] = None
     undetermined: List[str] = field(default_factory=list)
+    #: the model check after stage 2 (:mod:`.mismatch`); None when not made (stage 1 only, or switched off)
+    model_mismatch: Optional[ModelMismatch] = None
+    #: how ``std_devs`` were calibrated (:attr:`.uncertainty.Covariance.calibration`); empty without stage 2
+    calibration: Dict[str, Any] = field(default_factory=dict)
+    #: (window_s, {name: value}) at the end of each stage-2 run (the first fit, then each longer-windows run)
+    stage_values: List[Tuple[float, Dict[str, float]]] = field(default_factory=list)
+    #: the fit against the prior on windows the fit did not see (:class:`.heldout.HeldOutCheck`)
+    held_out: Optional[HeldOutCheck] = None
+    #: {name: (posterior std, prior std)} of the parameters the data do not move: kept at the prior
+    prior_dominated: Dict[str, Tuple[float, float]] = field(default_factory=dict)
 
     def values(self) -> Dict[str, float]:
         """name -> identified value (all parameters)."""
@@ -195,6 +233,12 @@ class IdentificationResult:
         for d in self.non_identifiable:
             lines.append(f"  ! {d}")
         lines += [f"  note: {x}" for x in self.notes]
+        for n, (sd, psd) in self.prior_dominated.items():
+            lines.append(f"  {n}: kept at the prior (the data do not move it: std {sd:.3g} vs the prior's {psd:.3g})")
+        if self.held_out is not None:
+            lines.append(("  !! " if self.held_out.verdict == "worse" else "  ") + self.held_out.line())
+        if self.model_mismatch is not None:
+            lines.append(("  !! " if self.model_mismatch.mismatch else "  ") + self.model_mismatch.line())
         return "\n".join(lines)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -205,7 +249,12 @@ class IdentificationResult:
                 "ratios": {k: list(v) for k, v in self.ratios.items()}, "non_identifiable": list(self.non_identifiable),
                 "residual_rms_m": self.residual_rms_m, "converged": self.converged, "delay_s": self.delay_s,
                 "delay_std_s": self.delay_std_s, "undetermined": list(self.undetermined),
-                "notes": list(self.notes), "timings": dict(self.timings)}
+                "notes": list(self.notes), "timings": dict(self.timings),
+                "model_mismatch": None if self.model_mismatch is None else self.model_mismatch.to_dict(),
+                "calibration": dict(self.calibration),
+                "held_out": None if self.held_out is None else self.held_out.to_dict(),
+                "prior_dominated": {n: {"std": sd, "prior_std": p} for n, (sd, p) in self.prior_dominated.items()},
+                "stage_values": [{"window_s": ws, "params": v} for ws, v in self.stage_values]}
 
 
 @contextmanager
@@ -261,6 +310,20 @@ def _finite(params: Params) -> bool:
                                                              params.mass, params.spool_radius, params.zero_offset))
 
 
+def model_check(ref: RefineResult, datasets: Sequence[Dataset], options: MismatchOptions = MismatchOptions(),
+                gn_rss_decrease_m2: Optional[float] = None) -> ModelMismatch:
+    """:func:`~tensegrity_ros.ident.mismatch.check_model` on a stage-2 result: its final windows' residuals
+    (fitted starts), its free parameters and window starts as the unknowns, the noise from ``datasets``' tracks;
+    ``gn_rss_decrease_m2`` from the covariance tells an unconverged fit from a wrong model."""
+    prob = ref.problem
+    with torch.no_grad():
+        r = prob.residuals(ref.w.detach(), None if ref.x0 is None else ref.x0.detach())
+    n_unknowns = int(ref.w.numel()) + (int(ref.x0[0].numel()) * prob.B_win if ref.x0 is not None else 0)
+    tracks = [(d.times, d.positions, d.valid) for d in datasets]
+    return check_model(tracks, prob.obs_idx, r.cpu().numpy(), prob.mask.cpu().numpy(), n_unknowns, options,
+                       gn_rss_decrease_m2)
+
+
 def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *,
              stages: Sequence[str] = STAGES, options: IdentifyOptions = IdentifyOptions(),
              prior: Optional[Params] = None, callback: Optional[Callable[[Dict[str, Any]], Any]] = None
@@ -294,6 +357,11 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
     nonid: List[str] = []
     rms = float("nan")
     converged = False
+    mismatch: Optional[ModelMismatch] = None
+    calibration: Dict[str, Any] = {}
+    stage_fits: List[Tuple[float, RefineResult]] = []     # (window_s, result) of each stage-2 run, in order
+    heldout: Optional[HeldOutCheck] = None
+    dominated: Dict[str, Tuple[float, float]] = {}
     delay = float(opts.delay_s)
     device = opts.device
     if device == "auto":
@@ -320,6 +388,14 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                                                  f"(< {opts.min_valid_fraction:.0%})")
                     screened.append(d2)
                 datasets = screened
+            # ---- held-out windows, set aside before any fit --------------------------------------------
+            held_prob = None
+            if opts.heldout_check and "refine" in stages:
+                datasets, held_prob = reserve_held_out(
+                    structure, datasets, prior, window_s=opts.heldout_window_s, fraction=opts.heldout_fraction,
+                    max_windows=opts.heldout_windows, delay_s=opts.delay_s, derivative_method=opts.derivative_method,
+                    smooth_window_s=opts.smooth_window_s, backend=opts.backend, integrator=opts.integrator,
+                    device=device)
             # ---- stage 1 -------------------------------------------------------------------------------
             if "regression" in stages:
                 ts = time.perf_counter()
@@ -379,6 +455,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     device=device, workers=opts.workers), **dict(opts.refine)})
                 ref = refine(structure, datasets, start, fopts, backend=opts.backend, integrator=opts.integrator,
                              callback=callback)
+                stage_fits.append((float(fopts.window_s), ref))
                 for ws, nw, it in opts.longer_windows:
                     if not (_finite(ref.params) and math.isfinite(ref.loss)):
                         break
@@ -391,6 +468,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                                                 else start)
                     ref = refine(structure, datasets, ref.params, fopts, backend=opts.backend,
                                  integrator=opts.integrator, callback=callback)
+                    stage_fits.append((float(ws), ref))
                 params = ref.params
                 delay = ref.delay_s
                 rms = ref.residual_rms_m
@@ -404,19 +482,35 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     ts = time.perf_counter()
                     from .uncertainty import gauss_newton_covariance
                     cov = gauss_newton_covariance(ref.problem, ref.w, ref.x0, noise_std_m=opts.noise_std_m,
-                                                  max_windows=opts.covariance_windows)
+                                                  max_windows=opts.covariance_windows, calibrate=opts.uncertainty)
+                    calibration = dict(cov.calibration)
                     # stage-2 values supersede stage 1 for the parameters it estimated
                     for n in cov.names:
                         std[n] = cov.std_devs[n]
                         ident[n] = cov.identifiability[n]
                         identifiable[n] = cov.identifiable[n]
-                    if cov.ratios or ref.problem.gauge:
-                        ratios = dict(cov.ratios)
+                    ratios = dict(cov.ratios)     # only when stage 2's scale is a gauge (nothing fixes it)
                     nonid = [d for d in nonid if d.startswith("scale")] if ref.problem.gauge else []
                     nonid.extend(cov.weak_directions)
                     notes.extend(cov.notes)
                     timings["covariance"] = time.perf_counter() - ts
                 # the stage-1 values of parameters stage 2 did not free are kept; rest lengths etc. updated
+                if opts.model_check:
+                    ts = time.perf_counter()
+                    mismatch = model_check(ref, datasets, opts.mismatch, calibration.get("gn_rss_decrease_m2"))
+                    timings["model_check"] = time.perf_counter() - ts
+                if opts.prior_dominated_ratio is not None and fopts.prior_std:
+                    center = {n: float(v) for n, v in (fopts.prior_center if fopts.prior_center is not None
+                                                       else start).named().items()}
+                    dominated = prior_dominated(std, center, fopts.prior_std, opts.prior_dominated_ratio)
+                    if dominated:
+                        params = params.with_values({n: center[n] for n in dominated})
+                        std.update({n: p for n, (_, p) in dominated.items()})
+                if opts.heldout_check:
+                    ts = time.perf_counter()
+                    heldout = compare_on_held_out(held_prob, params, prior, fit_delay_s=delay,
+                                                  prior_delay_s=opts.delay_s, margin_sigma=opts.heldout_margin_sigma)
+                    timings["held_out"] = time.perf_counter() - ts
             elif reg is not None and opts.residual:
                 # residual of the stage-1 result (one forward multiple-shooting evaluation)
                 try:
@@ -446,7 +540,11 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                                     identifiable=identifiable, ratios=ratios, non_identifiable=nonid,
                                     residual_rms_m=rms, history=history, converged=converged, delay_s=delay,
                                     notes=notes, timings=timings, regression=reg, refinement=ref,
-                                    delay_std_s=delay_std, undetermined=undetermined)
+                                    delay_std_s=delay_std, undetermined=undetermined,
+                                    model_mismatch=mismatch, calibration=calibration,
+                                    stage_values=[(ws, {n: float(v) for n, v in r.params.named().items()})
+                                                  for ws, r in stage_fits],
+                                    held_out=heldout, prior_dominated=dominated)
     except (IdentificationError, RuntimeError, np.linalg.LinAlgError, FloatingPointError) as exc:
         if not isinstance(exc, IdentificationError):
             wrapped = DivergenceError(f"{type(exc).__name__}: {exc}")

@@ -76,7 +76,9 @@ class RefineOptions:
         xi00 - direction * radius * zero_offset is identifiable): free one of them.
     known: ``{name: value}`` held fixed at that value.
     ties: groups sharing one value (a kind name = all of that kind, or a tuple of names).
-    total_mass: scale anchor when only ratios are identifiable (default: the starting total moving mass).
+    total_mass: scale anchor when only ratios are identifiable (default: the starting total moving mass; with
+        a mass prior (``prior_std["mass"]``) and no total_mass, the prior sets the scale instead: no gauge,
+        absolute values whose standard deviations carry the masses' uncertainty).
     estimate_delay / delay_s: the motor-to-mocap delay (motor angles used at t - delay), s, and its start.
     window_s / stride_s / max_windows: multiple-shooting windows (length, spacing, cap; evenly spread).
     sim_dt: engine step, s (default: the median sampling period divided into steps no longer than
@@ -369,7 +371,11 @@ class RefineProblem:
                 "control_force_scalar" not in free:
             has_known_force = True
         scale_free = all((scale_dir[k] == 0) or (self.names[k] in free) for k in range(P))
-        self.gauge = bool(scale_free and not has_known_force and any(scale_dir[k] > 0 for k in range(P)))
+        # weighed masses (a Gaussian prior on them) set the scale with their uncertainty, unless an explicit
+        # total_mass anchors it
+        mass_prior = float(opts.prior_std.get("mass") or 0.0) > 0 and opts.total_mass is None
+        self.gauge = bool(scale_free and not has_known_force and any(scale_dir[k] > 0 for k in range(P))
+                          and not mass_prior)
         self.scale_dir = scale_dir
         self.movable = movable
         if self.gauge:

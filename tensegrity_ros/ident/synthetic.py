@@ -14,7 +14,8 @@ from ..engine import Inputs, Params, make_engine
 from ..model import Structure, structure_from_dict
 from .data import Dataset, make_dataset
 
-__all__ = ["actuated_pendulum", "pendulum_drive", "random_initial_state", "simulate_dataset", "perturb"]
+__all__ = ["actuated_pendulum", "pendulum_drive", "random_initial_state", "simulate_dataset", "perturb",
+           "twin_dataset"]
 
 
 def actuated_pendulum(delay_free: bool = True) -> Structure:
@@ -121,3 +122,37 @@ def perturb(params: Params, names: Sequence[str], rng: np.random.Generator, rel:
     vals = params.named()
     f = np.clip(np.exp(rng.normal(0.0, rel, len(names))), 1 - 2 * rel, 1 + 2 * rel)
     return params.with_values({n: float(vals[n]) * float(k) for n, k in zip(names, f)})
+
+
+def twin_dataset(structure: Structure, motor_fn: Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]], *,
+                 seconds: float, rng: np.random.Generator, noise_std_m: float = 1e-3, timestep: float = 1e-3,
+                 every: int = 8, vel_std: float = 0.3, integrator: str = "RK4") -> Dataset:
+    """A recording of ``structure``'s MuJoCo twin (its own string laws, capsule bars): the free nodes start
+    at the file pose (projected on the bar lengths) with random velocities (std ``vel_std`` m/s), the motors
+    follow motor_fn(t (T,)) -> (angles (T, A) rad, rates (T, A) rad/s), and every ``every``-th step is recorded
+    with white noise ``noise_std_m`` on the free nodes (the exact motor angles beside them)."""
+    from ..twin import TwinSim                           # mujoco only when called
+    n = int(round(seconds / timestep))
+    t = timestep * np.arange(n)
+    u, ud = motor_fn(t)
+    eng = make_engine(structure)
+    p = eng.default_params()
+    st = eng.project(p, eng.initial_state())
+    free = ~np.array([nd.fixed for nd in structure.nodes])
+    X0 = st.positions[0].numpy()
+    V0 = np.where(free[:, None], rng.normal(0.0, vel_std, X0.shape), 0.0)
+    st = eng.project(p, eng.initial_state(torch.as_tensor(X0)[None], torch.as_tensor(V0)[None]))
+    sim = TwinSim(structure, timestep=timestep, integrator=integrator)
+    sim.set_node_state(st.positions[0].numpy(), st.velocities[0].numpy())
+    keep = np.arange(0, n, every)
+    X = np.empty((keep.size,) + X0.shape)
+    j = 0
+    for k in range(n):
+        if k % every == 0:
+            X[j] = sim.node_positions()
+            j += 1
+        sim.step(u[k], 1, motor_velocities=ud[k])
+    X[:, free] += rng.normal(0.0, noise_std_m, X[:, free].shape)
+    return make_dataset(t[keep], X, None, np.asarray(u)[keep] if structure.actuators else None,
+                        node_names=structure.node_names, actuator_names=tuple(a.name for a in structure.actuators),
+                        name=f"{structure.name} (MuJoCo twin)")

@@ -36,7 +36,10 @@ from .refine import DELAY_UNIT_S, RefineProblem
 from .regression import identifiability_reference
 from .workers import window_workers
 
-__all__ = ["Covariance", "jacobian", "gauss_newton_covariance", "physical_jacobian_diag"]
+__all__ = ["Covariance", "jacobian", "gauss_newton_covariance", "physical_jacobian_diag", "CALIBRATIONS"]
+
+#: ``gauss_newton_covariance(calibrate=...)``
+CALIBRATIONS = ("sandwich", "none")
 
 
 @dataclass
@@ -55,6 +58,11 @@ class Covariance:
     sigma_m: float
     gauge: str
     notes: List[str] = field(default_factory=list)
+    #: how the standard deviations were calibrated: method, noise_std_m (the loss's weighting), residual_std_m
+    #: (the residual's actual std), windows, rss_m2 and gn_rss_decrease_m2 (what one more Gauss-Newton step would
+    #: take off it); with the sandwich also model_std_devs (the uncalibrated
+    #: sigma^2 (J^T J + prior)^-1 ones) and block_over_white (per parameter, block / white sandwich std)
+    calibration: Dict[str, object] = field(default_factory=dict)
 
 
 def jacobian(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mode: str = "auto",
@@ -112,14 +120,19 @@ def _format(v: np.ndarray, names: List[str]) -> str:
 def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optional[torch.Tensor] = None, *,
                             noise_std_m: Optional[float] = None, max_windows: Optional[int] = 16,
                             rank_tol: float = 1e-9, identifiable_threshold: float = 0.9,
-                            weak_std: float = 0.1, jacobian: str = "auto") -> Covariance:
+                            weak_std: float = 0.1, jacobian: str = "auto", calibrate: str = "sandwich"
+                            ) -> Covariance:
     """Gauss-Newton covariance at the refined point (see the module docstring).
 
     noise_std_m: the residual noise level (None: estimated from the residuals). max_windows: Jacobians on
     at most this many windows (evenly spread); the information is scaled up to all windows. jacobian:
     ``auto`` (the exact tangent-linear model where the engine has one, else central differences), or any
-    method of :meth:`RefineProblem.jacobian_blocks`.
+    method of :meth:`RefineProblem.jacobian_blocks`. calibrate: ``sandwich`` (default; see the module
+    docstring: the standard deviations follow the residual's actual size and its correlation within windows,
+    and include the prior) or ``none`` (sigma^2 (J^T J + prior)^-1 with sigma = ``noise_std_m``).
     """
+    if calibrate not in CALIBRATIONS:
+        raise ValueError(f"gauss_newton_covariance: calibrate = {calibrate!r} (valid: {', '.join(CALIBRATIONS)})")
     prob = problem
     nb = prob.B.shape[1]
     n_w = w.numel()
@@ -135,13 +148,19 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     w = w.detach()
 
     with window_workers(sub, prob.opts.workers):
-        _, Jw, Je = sub.jacobian_blocks(w, x0s, jacobian)              # (Bs, R, n_w), (Bs, R, ne)
+        rsub, Jw, Je = sub.jacobian_blocks(w, x0s, jacobian)           # (Bs, R), (Bs, R, n_w), (Bs, R, ne)
     Hww = torch.einsum("bri,brj->ij", Jw, Jw)
+    score = torch.einsum("bri,br->bi", Jw, rsub)                       # (Bs, n_w) per-window score J_w^T r
     if Je is not None:
         Hwe = torch.einsum("bri,brj->bij", Jw, Je)
         Hee = torch.einsum("bri,brj->bij", Je, Je)
-        Hww = Hww - torch.einsum("bij,bjk,blk->il", Hwe, torch.linalg.pinv(Hee, hermitian=True), Hwe)
+        Heep = torch.linalg.pinv(Hee, hermitian=True)
+        Hww = Hww - torch.einsum("bij,bjk,blk->il", Hwe, Heep, Hwe)
+        # the score with each window's start eliminated (Schur): J_w^T r - H_we H_ee^+ J_e^T r
+        score = score - torch.einsum("bij,bjk,bk->bi", Hwe, Heep, torch.einsum("brk,br->bk", Je, rsub))
     Hww = 0.5 * (Hww + Hww.T) * scale
+    Hdata = Hww.detach().cpu().double().numpy()
+    meat_block = scale * (score.T @ score).detach().cpu().double().numpy()   # sum over windows of g_k g_k^T
     # noise level
     n_res = 3 * prob.n_obs
     n_unknown = n_w + (ne * B_all if x0 is not None else 0)
@@ -149,11 +168,14 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     with torch.no_grad():
         rall = prob.residuals(w, None if x0 is None else x0.detach())
         rss = float((rall * rall).sum())
-    sigma = noise_std_m if noise_std_m is not None else math.sqrt(rss / max(n_res - n_unknown, 1))
+    s_res = math.sqrt(rss / max(n_res - n_unknown, 1))                 # the residual's actual std
+    sigma = noise_std_m if noise_std_m is not None else s_res
+    Pw = np.zeros_like(Hdata)
     if bool((prob.prior_prec > 0).any()):
         # the Gaussian prior's information (same units as J^T J: divided by sigma^2 below)
         KBt = (prob.K @ prob.B)
         Hp = (sigma ** 2) * (KBt.T @ (prob.prior_prec[:, None] * KBt))
+        Pw[:nb, :nb] = Hp.detach().cpu().double().numpy()
         Hww = Hww.clone()
         Hww[:nb, :nb] += Hp.to(Hww.dtype)
     H = Hww.detach().cpu().double().numpy()
@@ -162,6 +184,22 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     keep = ev > rank_tol * emax if emax > 0 else np.zeros_like(ev, dtype=bool)
     Hinv = (V[:, keep] / ev[keep]) @ V[:, keep].T
     Cw = sigma ** 2 * Hinv
+    # RSS decrease that one more Gauss-Newton step would bring (g^T H^+ g, g = the objective's gradient in RSS units,
+    # prior included): a fit whose excess residual this step would remove has not converged (ident.mismatch)
+    g = scale * score.sum(dim=0).detach().cpu().double().numpy()
+    if bool((prob.prior_prec > 0).any()):
+        KBt = (prob.K @ prob.B)
+        gp0 = (sigma ** 2) * (KBt.T @ (prob.prior_prec * prob.prior_offset))
+        g[:nb] += Pw[:nb, :nb] @ w[:nb].detach().cpu().double().numpy() + gp0.detach().cpu().double().numpy()
+    gn_decrease = float(g @ Hinv @ g)
+    calib: Dict[str, np.ndarray] = {}
+    if calibrate == "sandwich":
+        # the estimate's error is H^-1 (sum_k g_k + sigma^2 P (prior mean - truth)), g_k = window k's score:
+        # its covariance H^-1 (meat + sigma^2 P) H^-1 (P in units of J^T J, i.e. sigma^2 x the prior precision).
+        # "white": meat = s_res^2 x the data information (the residual's actual size, independent samples);
+        # "block": meat = sum_k g_k g_k^T (windows independent, samples within a window correlated as they are).
+        calib["white"] = Hinv @ ((s_res ** 2) * Hdata + (sigma ** 2) * Pw) @ Hinv
+        calib["block"] = Hinv @ (meat_block + (sigma ** 2) * Pw) @ Hinv
     # map to z (full unconstrained vector) and the delay
     KB = (prob.K @ prob.B).detach().cpu().double().numpy()           # (P, nb)
     P = KB.shape[0]
@@ -170,6 +208,7 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     if prob.opts.estimate_delay:
         Jz[P, nb] = DELAY_UNIT_S
     Cz = Jz @ Cw @ Jz.T
+    Czs = {k: Jz @ c @ Jz.T for k, c in calib.items()}
     _, zf = prob.finalize(w)
     names = prob.names
     kinds = [n.rpartition(".")[2] if "." in n else n for n in names]
@@ -188,6 +227,7 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
         s[:P] = prob.scale_dir.detach().cpu().double().numpy()
         Jf = np.eye(P + 1) + np.outer(s, dc)
         Cz = Jf @ Cz @ Jf.T
+        Czs = {k: Jf @ c @ Jf.T for k, c in Czs.items()}
         gauge_desc = f"total moving mass fixed at {prob.total_mass:g} kg"
     D = np.ones(P + 1)
     D[:P] = physical_jacobian_diag(kinds, zf, prob.template.meta.nominal_rest_length)
@@ -196,6 +236,21 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     out_idx = free_idx + ([P] if prob.opts.estimate_delay else [])
     out_names = [names[k] for k in free_idx] + (["delay_s"] if prob.opts.estimate_delay else [])
     cov = Cx[np.ix_(out_idx, out_idx)]
+    model_std = {n: float(math.sqrt(max(cov[i, i], 0.0))) for i, n in enumerate(out_names)}
+    calibration: Dict[str, object] = {"method": calibrate, "noise_std_m": float(sigma), "residual_std_m": s_res,
+                                      "windows": len(idx), "rss_m2": rss, "gn_rss_decrease_m2": gn_decrease}
+    if calib:
+        # per parameter, the larger of the two sandwich variances (the block meat has rank <= windows, so it
+        # misses directions the white one holds); the white covariance's correlations, rescaled to those stds
+        cw = (Czs["white"] * D[:, None] * D[None, :])[np.ix_(out_idx, out_idx)]
+        cb = (Czs["block"] * D[:, None] * D[None, :])[np.ix_(out_idx, out_idx)]
+        var = np.maximum(np.diag(cw), np.diag(cb)).clip(min=0.0)
+        dw = np.sqrt(np.diag(cw).clip(min=1e-300))
+        f = np.sqrt(var) / dw
+        cov = cw * f[:, None] * f[None, :]
+        calibration.update(block_over_white={n: float(math.sqrt(max(cb[i, i], 0.0)) / dw[i])
+                                             for i, n in enumerate(out_names)},
+                           model_std_devs=model_std)
     params_f = {n: float(v) for n, v in prob.finalize(w)[0].named().items()}
     params_f["delay_s"] = float(prob.delay_of(w))
     std = {n: float(math.sqrt(max(cov[i, i], 0.0))) for i, n in enumerate(out_names)}
@@ -248,7 +303,8 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
         ident[n] = score
         identifiable[n] = score >= identifiable_threshold
     return Covariance(names=out_names, cov=cov, std_devs=std, identifiability=ident, identifiable=identifiable,
-                      ratios=ratios, weak_directions=weak, sigma_m=float(sigma), gauge=gauge_desc, notes=notes)
+                      ratios=ratios, weak_directions=weak, sigma_m=float(sigma), gauge=gauge_desc, notes=notes,
+                      calibration=calibration)
 
 
 def _nominal(prob: RefineProblem, name: str) -> Optional[float]:

@@ -58,6 +58,9 @@ class Candidate:
     #: per held-out window mean squared error (m^2) of the fit and of the active set (paired, same windows)
     holdout_mse: Tuple[float, ...] = ()
     active_holdout_mse: Tuple[float, ...] = ()
+    #: the model check of the fit (ident.mismatch): its status and one line; a ``model_mismatch`` is rejected
+    model_check: str = ""
+    model_check_line: str = ""
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,8 @@ def decide(candidate: Candidate, nominal: Mapping[str, float], accepted_residual
         better, why = held_out_improvement(candidate.holdout_mse, candidate.active_holdout_mse, cfg)
         if not better:
             reasons.append(why)
+    if candidate.model_check == "model_mismatch":
+        reasons.append(candidate.model_check_line)
     if cfg.require_converged and not candidate.converged:
         reasons.append("the optimiser did not converge")
     return Decision(not reasons, tuple(reasons))
@@ -388,7 +393,9 @@ def fit_window(structure: Structure, times, positions, valid, motors, prior_valu
         out = {**empty, "ok": res.ok, "error": "" if res.error is None else f"{type(res.error).__name__}: {res.error}",
                "values": res.values(), "std_devs": dict(res.std_devs), "identifiability": dict(res.identifiability),
                "residual_m": float(res.residual_rms_m), "converged": bool(res.converged),
-               "timings": dict(res.timings), "notes": list(res.notes)}
+               "timings": dict(res.timings), "notes": list(res.notes),
+               **({} if res.model_mismatch is None else {"model_check": res.model_mismatch.status,
+                                                         "model_check_line": res.model_mismatch.line()})}
         if res.ok:   # the fit and the active set, open loop over the held-out windows: is the fit better?
             ts = time.perf_counter()
             values = res.values()
@@ -662,7 +669,8 @@ class OnlineIdentifierNode(C.GraphNode):
                          residual_m=out["residual_m"], ok=out["ok"], error=out["error"], converged=out["converged"],
                          window_rms_m=out["window_rms_m"], active_window_rms_m=out["active_window_rms_m"],
                          holdout_mse=tuple(out.get("holdout_mse", ())),
-                         active_holdout_mse=tuple(out.get("active_holdout_mse", ())))
+                         active_holdout_mse=tuple(out.get("active_holdout_mse", ())),
+                         model_check=out.get("model_check", ""), model_check_line=out.get("model_check_line", ""))
         self.last_timings = dict(out.get("timings", {}))
         params = None
         if out["values"]:
@@ -699,7 +707,7 @@ class OnlineIdentifierNode(C.GraphNode):
                 self._counter += 1
                 set_id = f"{self.get_name()}-{self._counter}"
                 rec = self._record(params, cand.std_devs, cand.identifiability, cand.residual_m, window, cand.converged,
-                                   "accepted", set_id)
+                                   "; ".join(x for x in ("accepted", cand.model_check_line) if x), set_id)
                 self.active = ActiveSet(params, rec)
                 self.accepted_residuals.append(cand.residual_m)
                 self.stats["accepted"] += 1

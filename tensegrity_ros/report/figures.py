@@ -71,9 +71,14 @@ def plot_plate_motion(t: np.ndarray, series: Mapping[str, Tuple[np.ndarray, Mapp
     return _save(fig, path)
 
 
-def plot_residuals(t: np.ndarray, residual_mm: np.ndarray, path: Path, label: str = "node position residual") -> Path:
-    """Residual over time: t (T,) s, residual_mm (T,) or (T, K) mm (one line per column)."""
-    fig, ax = plt.subplots(figsize=(9, 3.5))
+def plot_residuals(t: np.ndarray, residual_mm: np.ndarray, path: Path, label: str = "node position residual",
+                   title: str = "") -> Path:
+    """Residual over time: t (T,) s, residual_mm (T,) or (T, K) mm (one line per column); ``title`` (e.g. the
+    model check's verdict) above the plot, wrapped."""
+    import textwrap
+    fig, ax = plt.subplots(figsize=(9, 3.5 + 0.25 * len(textwrap.wrap(title, 110))))
+    if title:
+        ax.set_title("\n".join(textwrap.wrap(title, 110)), fontsize=8, loc="left")
     ax.plot(t, residual_mm, lw=1)
     ax.set_xlabel("time [s]")
     ax.set_ylabel(f"{label} [mm]")

@@ -1,0 +1,176 @@
+"""The generality suite, small (issue 17, item 6): robots the project did not write.
+
+The structures (``tensegrity_ros/validation/structures/``) are not in ``config/``; the TRUE robot is an independently
+written MuJoCo model (``tensegrity_ros/validation/independent.py``: capsule bars, tendons, spool actuators, a string
+law per string) recorded with a lab's habits. The full table is ``bench/bench_generality.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tensegrity_ros.bags import read_robot_bag
+from tensegrity_ros.cli import main
+from tensegrity_ros.engine import Inputs, make_engine
+from tensegrity_ros.model import load_structure
+from tensegrity_ros.validation import independent as I
+from tensegrity_ros.validation.scoring import score
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytest.importorskip("mujoco")
+
+#: The lab's flags: its rough mocap frame, its marker noise, the delay it knows exists, and how well it knows
+#: its model (stiffness and damping to 20 %, bars weighed to 2 %, rest lengths to 2 mm).
+LAB_PRIOR = "stiffness=0.2,damping=0.2,mass=0.02,rest_length=0.002"
+
+
+@pytest.fixture(scope="module")
+def lab_recording(tmp_path_factory):
+    """12 s of the 4-bar prism (the smallest suite structure), recorded the way a lab records."""
+    out = tmp_path_factory.mktemp("prism4")
+    info = I.record(I.load_suite_structure("prism4_fixed"), out, seed=0, duration_s=12.0)
+    return out, info
+
+
+def test_suite_structures_are_not_the_projects_and_differ_in_kind():
+    shapes = {}
+    for name in I.SUITE:
+        s = I.load_suite_structure(name)
+        assert not (I.STRUCTURES_DIR.parents[2] / "config" / "models" / f"{name}.yaml").exists()
+        shapes[name] = (len(s.bars), len(s.fixed_nodes), len(s.actuators),
+                        {st.stiffness_law for st in s.strings if st.actuator},
+                        max(len(st.nodes) for st in s.strings), sum(a.direction for a in s.actuators))
+    assert len({v[:3] for v in shapes.values()}) == 3                     # bars / welded nodes / motors all differ
+    assert any(v[4] > 2 for v in shapes.values())                         # a composite string somewhere
+    assert {"cord", "spring"} <= set().union(*(v[3] for v in shapes.values()))
+    assert all(abs(v[5]) < v[2] for v in shapes.values())                 # mixed motor directions in each
+
+
+def test_recorder_writes_a_bag_with_a_labs_habits(lab_recording):
+    out, info = lab_recording
+    nominal, truth = load_structure(out / "nominal.yaml"), load_structure(out / "truth.yaml")
+    rec = read_robot_bag(out / "bag")
+    habits = I.LabHabits()
+    assert rec.motor_names == tuple(a.name for a in nominal.actuators)
+    assert 78 < len(rec.motor_times) / rec.duration_s < 82 and 118 < len(rec.marker_times) / rec.duration_s < 122
+    # mocap stamps run late by the mocap latency: a motor-to-mocap delay
+    assert rec.marker_times[0] - rec.motor_times[0] == pytest.approx(habits.mocap_latency_s, abs=1e-6)
+    # encoder ticks: every angle a whole number of 2 pi / 4096, starting at the (non-zero) zero offsets
+    ticks = rec.motor_angles / (2 * math.pi / I.TICKS_PER_REV)
+    assert np.allclose(ticks, np.round(ticks), atol=1e-6)
+    zero = np.array([a.zero_offset for a in nominal.actuators])
+    assert np.all(np.abs(zero) > 0.5) and np.allclose(rec.motor_angles[0], zero, atol=2 * math.pi / 4096)
+    # markers: unlabelled, 5 % occluded, 1 mm noise, in a Y-up yawed frame
+    n = len(nominal.nodes)
+    sizes = np.array([len(m) for m in rec.markers])
+    assert sizes.max() == n and 0.03 < 1 - sizes.mean() / n < 0.07
+    T = np.array(info["true_mocap_transform"])
+    fixed = np.array([nominal.node_index(f) for f in nominal.fixed_nodes])
+    P = np.array([nd.position for nd in nominal.nodes])
+    world = [(m - T[:3, 3]) @ T[:3, :3] for m in rec.markers]             # back to the structure frame
+    first_label = [int(np.argmin(np.linalg.norm(P - w[0], axis=1))) for w in world[:50]]
+    assert len(set(first_label)) > 3                                       # row 0 is a different node frame to frame
+    fixed_err = [np.min(np.linalg.norm(w[:, None] - P[fixed][None], axis=2), axis=0) for w in world]
+    fixed_err = np.concatenate(fixed_err)
+    fixed_err = fixed_err[fixed_err < 0.01]
+    assert 1.2e-3 < np.sqrt(np.mean(fixed_err ** 2)) < 2.2e-3              # 3-D noise of 1 mm per axis: 1.73 mm
+    up = T[:3, :3] @ np.array([0.0, 0.0, 1.0])
+    assert np.allclose(up, [0, 1, 0])                                      # structure z is mocap y
+    assert abs(math.degrees(math.atan2(-T[2, 0], T[0, 0])) - habits.yaw_deg) < 1e-6   # and yawed about it
+    # the truth is off the nominal by exactly the suite's spreads
+    for st_t, st_n in zip(truth.strings, nominal.strings):
+        assert abs(st_t.stiffness / st_n.stiffness - 1) == pytest.approx(0.2)
+        assert abs(st_t.damping / st_n.damping - 1) == pytest.approx(0.2)
+        assert abs(st_t.rest_length - st_n.rest_length) == pytest.approx(0.002)
+    for b_t, b_n in zip(truth.bars, nominal.bars):
+        assert abs(b_t.mass / b_n.mass - 1) == pytest.approx(0.02)
+    assert info["slack_strings"] == [] and info["node_excursion_mm"] > 10
+
+
+def _rollout_error_mm(structure_for_engine, truth, traj, drive, k0: int, samples: int):
+    """Engine (implicit, 4 steps per 240-Hz sample) from the recording's state at sample k0 for ``samples``
+    samples, against the recording: (RMS, max) node distance in mm."""
+    eng = make_engine(structure_for_engine, "nodal", "implicit")
+    s0 = eng.initial_state(torch.as_tensor(traj.positions[k0]), torch.as_tensor(traj.velocities[k0]))
+    sub = 4
+    dt = 1.0 / (I.SAMPLE_HZ * sub)
+    t = traj.times[k0] + dt * np.arange(samples * sub)
+    u, ud = drive.angles(truth.actuators, t)
+    inp = Inputs(motor_angles=torch.as_tensor(u).unsqueeze(1), motor_velocities=torch.as_tensor(ud).unsqueeze(1))
+    x = eng.rollout(eng.default_params(), s0, inp, dt).positions[:, 0].numpy()[sub - 1::sub]
+    e = np.linalg.norm(x - traj.positions[k0 + 1:k0 + 1 + samples], axis=-1)
+    return float(1e3 * np.sqrt(np.mean(e ** 2))), float(1e3 * e.max())
+
+
+@pytest.mark.parametrize("name", I.SUITE)
+def test_engine_agrees_with_the_independent_model(name):
+    """Noise off, the engine's law matching: a 1-s engine rollout from the true parameters follows the independent
+    MuJoCo recording to well under a millimetre (measured 0.01-0.02 mm RMS, 0.03-0.06 mm max); the same rollout
+    with the actuated strings' law swapped (cord <-> spring) is 14-35x further off (0.29-0.50 mm RMS), so the
+    check sees the law."""
+    nominal = I.load_suite_structure(name)
+    truth = I.draw_truth(nominal, seed=0)
+    drive = I.suite_drive(nominal, 4.0)
+    traj = I.simulate(truth, drive, 2.6)
+    k0, n = int(1.5 * I.SAMPLE_HZ), int(I.SAMPLE_HZ)
+    assert 1e3 * np.abs(traj.positions[k0:k0 + n] - traj.positions[k0]).max() > 10     # it does move (cm)
+    assert traj.tensions.min() > 0                                                      # every string taut
+    rms, worst = _rollout_error_mm(truth, truth, traj, drive, k0, n)
+    flip = {"cord": "spring", "spring": "cord"}
+    wrong = dataclasses.replace(truth, strings=tuple(
+        dataclasses.replace(s, stiffness_law=flip[s.stiffness_law]) if s.actuator else s for s in truth.strings))
+    rms_wrong, _ = _rollout_error_mm(wrong, truth, traj, drive, k0, n)
+    print(f"{name}: engine vs independent MuJoCo over 1 s: RMS {rms:.3f} mm, max {worst:.3f} mm; "
+          f"wrong law: RMS {rms_wrong:.3f} mm")
+    assert rms < 0.1 and worst < 0.3
+    assert rms_wrong > 5 * rms
+
+
+@pytest.fixture(scope="module")
+def identified(lab_recording, tmp_path_factory):
+    """`tensegrity identify` as a lab runs it (its rough mocap guess, --estimate-delay, its prior; one worker) on
+    the prism recording: (score against the truth, identify's console output)."""
+    out, _ = lab_recording
+    params = tmp_path_factory.mktemp("identified") / "identified.yaml"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["identify", str(out / "bag"), "--model", str(out / "nominal.yaml"), "--mocap-frame",
+                   str(out / "mocap_guess.yaml"), "--out", str(params), "--noise-mm", "1", "--estimate-delay",
+                   "--prior-std", LAB_PRIOR, "--workers", "1"])
+    assert rc == 0, buf.getvalue()[-2000:]
+    s = score(load_structure(out / "truth.yaml"), load_structure(out / "nominal.yaml"), load_structure(params))
+    print({k: (round(v["median"], 5), round(v["nominal_median"], 5)) for k, v in s["kinds"].items()},
+          s["inside_2sigma"])
+    return s, buf.getvalue()
+
+
+def test_identify_on_a_labs_recording_of_the_prism(identified):
+    """What identify reliably does today on 12 s of the 4-bar prism with the right string law (measured, 4 runs
+    with 2-3 drives: stiffness 12.9-16.5 % against the nominal's 25 %, rest lengths 1.1-1.3 mm against 2 mm,
+    96-100 % inside +-2 sigma, delay 12.1-12.4 ms against 12): it labels the shuffled markers in the yawed Y-up
+    frame, finds the delay, moves the stiffnesses and rest lengths closer to the truth than the nominal, and
+    reports sigmas that hold the truth for >= 90 % of the parameters."""
+    s, text = identified
+    delay = [ln for ln in text.splitlines() if ln.strip().startswith("delay_s")]
+    assert delay and abs(float(delay[0].split()[1]) - I.LabHabits().mocap_latency_s) < 0.003
+    for kind in ("stiffness", "rest_length"):
+        assert s["kinds"][kind]["better_than_nominal"], (kind, s["kinds"][kind])
+    assert s["kinds"]["stiffness"]["median"] < 0.75 * s["kinds"]["stiffness"]["nominal_median"]
+    assert s["kinds"]["rest_length"]["median"] < 0.75 * s["kinds"]["rest_length"]["nominal_median"]
+    assert s["inside_2sigma"] >= 0.9
+
+
+@pytest.mark.xfail(strict=True, reason="issue 17 item 6, measured 2026-11-25: damping (16.7 %) and masses (2.0 %) "
+                                       "end where the nominal put them; remove this mark when every kind improves")
+def test_identify_improves_every_kind_over_the_nominal(identified):
+    """Every kind's median error at least 10 % below the nominal's (a margin, so that a parameter the data leave at
+    its prior, with a median equal to the nominal's to 4 digits, neither passes nor flips with rounding)."""
+    s, _ = identified
+    assert all(v["median"] < 0.9 * v["nominal_median"] for v in s["kinds"].values()), \
+        {k: (v["median"], v["nominal_median"]) for k, v in s["kinds"].items()}

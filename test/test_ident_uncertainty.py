@@ -1,0 +1,162 @@
+"""Calibrated standard deviations (issue 17 items 3, 4, 5): the covariance's sandwich calibration, the mass
+prior as the scale, parameters the data cannot move, the held-out check.
+
+The robot is the hoist of test_string_laws (a rod hung by two actuated strings, held by two lateral ones):
+12 free parameters (stiffness, damping, rest length of 4 strings) from a nominal whose stiffness and damping
+are ~20 % and rest lengths ~2 mm off the truth, 6 s at 125 Hz with 1 mm marker noise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from tensegrity_ros.engine import make_engine
+from tensegrity_ros.ident import IdentifyOptions, add_marker_noise, identify
+from tensegrity_ros.ident.heldout import compare_on_held_out, prior_dominated, reserve_held_out
+from tensegrity_ros.ident.synthetic import simulate_dataset, twin_dataset
+from tensegrity_ros.model import structure_from_dict
+
+from test_string_laws import HOIST, drive
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+KINDS = ("stiffness", "damping", "rest_length")
+OPTIONS = IdentifyOptions(estimate=("stiffness", "damping"), refine_kinds=KINDS, window_s=0.1, max_windows=16,
+                          max_iter=8, longer_windows=((0.5, 8, 3),),
+                          prior_std={"stiffness": 0.2, "damping": 0.2, "rest_length": 0.002}, noise_std_m=1e-3)
+
+
+def _nominal_and_truth(seed: int):
+    nominal = yaml.safe_load(HOIST.format(law1="spring", law2="spring"))
+    rng = np.random.default_rng(100 + seed)
+    truth = json.loads(json.dumps(nominal))
+    for s in truth["strings"]:
+        s["stiffness"] *= float(np.clip(np.exp(rng.normal(0, 0.2)), 0.6, 1.4))
+        s["damping"] *= float(np.clip(np.exp(rng.normal(0, 0.2)), 0.6, 1.4))
+        s["rest_length"] += float(np.clip(rng.normal(0, 0.002), -0.004, 0.004))
+    return structure_from_dict(nominal, source="nominal"), structure_from_dict(truth, source="truth"), truth, rng
+
+
+def _engine_recording(truth, rng, noise=1e-3):
+    """The engine's own recording of ``truth`` (the model is exact): 6 s, 1 ms steps, every 8th sample."""
+    eng = make_engine(truth)
+    p = eng.default_params()
+    X0 = eng.project(p, eng.initial_state()).positions[0].numpy()
+    V0 = np.where(~np.array([n.fixed for n in truth.nodes])[:, None], rng.normal(0, 0.3, X0.shape), 0.0)
+    data = simulate_dataset(truth, p, X0, V0, dt=1e-3, steps=6000, every=8, motor_fn=lambda t: drive(t)[0])
+    return add_marker_noise(data, noise, rng)
+
+
+def _z_scores(result, truth_dict):
+    true = {f"{s['name']}.{k}": s[k] for s in truth_dict["strings"] for k in KINDS}
+    vals = result.values()
+    return {n: (vals[n] - true[n]) / sd for n, sd in result.std_devs.items() if n in true}
+
+
+def _coverage(zs):
+    allz = np.array([z for d in zs for z in d.values()])
+    by_kind = {k: float(np.sqrt(np.mean([z ** 2 for d in zs for n, z in d.items() if n.endswith("." + k)])))
+               for k in KINDS}
+    return float(np.mean(np.abs(allz) <= 2.0)), by_kind
+
+
+def test_standard_deviations_hold_the_truth_when_the_model_is_exact():
+    """Engine recordings (the model exact), 4 seeds x 12 parameters: >= 90 % inside +-2 sigma, z-RMS per kind in
+    [0.5, 2] (measured: 98 %; z-RMS stiffness 1.02, damping 0.84, rest length 1.09)."""
+    zs = []
+    for seed in range(4):
+        nominal, truth, truth_dict, rng = _nominal_and_truth(seed)
+        res = identify(nominal, _engine_recording(truth, rng), options=OPTIONS)
+        assert res.ok and res.calibration["method"] == "sandwich"
+        zs.append(_z_scores(res, truth_dict))
+    inside, by_kind = _coverage(zs)
+    print(f"engine recordings: {inside:.0%} inside +-2 sigma; z-RMS {by_kind}")
+    assert inside >= 0.9
+    assert all(0.5 <= v <= 2.0 for v in by_kind.values()), by_kind
+
+
+def test_standard_deviations_follow_the_residuals_actual_size():
+    """The loss is weighted with a stated 1 mm, the markers carry 2.5 mm: the uncalibrated std (sigma = the stated
+    noise) is 2.5x too small, the sandwich scales it by the residual it sees."""
+    nominal, truth, truth_dict, rng = _nominal_and_truth(7)
+    res = identify(nominal, _engine_recording(truth, rng, noise=2.5e-3), options=OPTIONS)
+    cal = res.calibration
+    assert cal["residual_std_m"] == pytest.approx(2.5e-3, rel=0.1) and cal["noise_std_m"] == 1e-3
+    ratios = np.array([res.std_devs[n] / cal["model_std_devs"][n] for n in res.std_devs])
+    print("sandwich / uncalibrated std:", np.round(ratios, 2))
+    assert np.median(ratios) == pytest.approx(2.5, rel=0.2) and ratios.min() > 1.5
+    none = identify(nominal, _engine_recording(truth, np.random.default_rng(0), noise=2.5e-3),
+                    options=dataclasses.replace(OPTIONS, uncertainty="none"))
+    assert not none.calibration.get("model_std_devs")                # 'none' keeps sigma^2 (J^T J + prior)^-1
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="measured shortfall (issue 17 item 3): on MuJoCo-twin recordings the engine "
+                   "and the twin differ by ~0.1 mm RMS after the fit (noise-free recordings), which shifts the "
+                   "estimates by 3-6 standard deviations (s1/s2 stiffness -0.5 %, dampings +4-8 %, s1/s2 rest "
+                   "lengths -0.5 mm) in the same direction in every window, so no residual-based calibration sees "
+                   "it: 50 % inside +-2 sigma, z-RMS 3.3 / 3.0 / 3.0 over 6 seeds (45.8 %, 3.4 / 3.2 / 3.0 "
+                   "uncalibrated)")
+def test_standard_deviations_hold_the_truth_on_twin_recordings():
+    pytest.importorskip("mujoco")
+    zs = []
+    for seed in range(3):
+        nominal, truth, truth_dict, rng = _nominal_and_truth(seed)
+        data = twin_dataset(truth, drive, seconds=6.0, rng=rng, noise_std_m=1e-3)
+        res = identify(nominal, data, options=OPTIONS)
+        assert res.ok and res.model_mismatch.mismatch is False            # the right model: not flagged
+        zs.append(_z_scores(res, truth_dict))
+    inside, by_kind = _coverage(zs)
+    print(f"twin recordings: {inside:.0%} inside +-2 sigma; z-RMS {by_kind}")
+    assert inside >= 0.9 and all(0.5 <= v <= 2.0 for v in by_kind.values())
+
+
+def test_weighed_masses_set_the_scale():
+    """mass, stiffness and damping all free: without a mass prior only ratios are identifiable (the nominal total
+    mass is held); with a 2 % mass prior the prior sets the scale: absolute values, no ratios, and the mass's
+    std is the prior's (the data cannot see the scale)."""
+    nominal, truth, truth_dict, rng = _nominal_and_truth(3)
+    data = _engine_recording(truth, rng)
+    kinds = ("mass", "stiffness", "damping")
+    opts = dataclasses.replace(OPTIONS, estimate=kinds, refine_kinds=kinds, longer_windows=(), max_iter=6,
+                               covariance_windows=8)
+    gauge = identify(nominal, data, options=dataclasses.replace(opts, prior_std={"stiffness": 0.2, "damping": 0.2}))
+    assert gauge.ok and gauge.refinement.problem.gauge and gauge.ratios
+    weighed = identify(nominal, data, options=dataclasses.replace(
+        opts, prior_std={"stiffness": 0.2, "damping": 0.2, "mass": 0.02}))
+    assert weighed.ok and not weighed.refinement.problem.gauge and not weighed.ratios
+    m, sd = weighed.values()["rod.mass"], weighed.std_devs["rod.mass"]
+    assert sd == pytest.approx(0.02 * 1.0, rel=0.1)                    # the prior's 2 % of 1 kg
+    assert abs(m - 1.0) < 2 * sd
+    # the stiffness's std carries the scale's uncertainty: at least the mass's relative std
+    k, ksd = weighed.values()["s1.stiffness"], weighed.std_devs["s1.stiffness"]
+    assert ksd / k > 0.8 * sd / m
+    # the mass the data cannot move keeps its prior, and is reported as such
+    assert "rod.mass" in weighed.prior_dominated and m == pytest.approx(1.0, abs=1e-12)
+    assert "kept at the prior" in weighed.summary()
+
+
+def test_prior_dominated_and_held_out_check_functions():
+    assert prior_dominated({"a.stiffness": 19.0, "b.stiffness": 5.0, "a.rest_length": 0.0019},
+                           {"a.stiffness": 100.0, "b.stiffness": 100.0, "a.rest_length": 1.0},
+                           {"stiffness": 0.2, "rest_length": 0.002}) == {"a.stiffness": (19.0, 20.0),
+                                                                          "a.rest_length": (0.0019, 0.002)}
+    nominal, truth, truth_dict, rng = _nominal_and_truth(5)
+    data = _engine_recording(truth, rng)
+    from tensegrity_ros.engine import params_from_structure
+    p_nom, p_true = params_from_structure(nominal), params_from_structure(truth)
+    fit_data, held = reserve_held_out(nominal, [data], p_nom, window_s=0.2, fraction=0.1)
+    assert held is not None and held.B_win >= 3
+    assert fit_data[0].valid.sum() < data.valid.sum()                   # the held-out samples are hidden from the fit
+    for di, s in held.window_ids:
+        assert not fit_data[di].valid[s:s + held.H + 1].any()
+    better = compare_on_held_out(held, p_true, p_nom)
+    worse = compare_on_held_out(held, p_nom, p_true)
+    print(better.line(), worse.line(), sep="\n")
+    assert better.verdict == "better" and worse.verdict == "worse"
+    assert better.fit_rms_m < better.prior_rms_m
+    assert compare_on_held_out(None, p_true, p_nom).verdict == "not_checked"
