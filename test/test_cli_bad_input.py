@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "config" / "models" / "stacked_manipulator.yaml")
 SMALL = str(ROOT / "config" / "models" / "spring_rod.yaml")          # fast to simulate
 READ_BAG, SIMULATE = "tensegrity_ros.bags.read_robot_bag", "tensegrity_ros.twin.simulate"
+EMULATOR_RUN = "tensegrity_ros.hardware.dynamixel.emulator.run"
 
 USER_REPORT = {"rep/mine.txt": b"precious notes\n"}
 USER_PARAMS = {"params.yaml": b"name: keep me\n"}
@@ -105,6 +106,10 @@ CASES = [
     Case("emulate-bus-ids-empty", ["emulate-bus", "--ids", ","], "--ids ',': no motor ids"),
     Case("emulate-bus-ids-malformed", ["emulate-bus", "--ids", "1,x"], "'x' is not an id or a range"),
     Case("emulate-bus-ids-out-of-range", ["emulate-bus", "--ids", "250-260"], "id 260 is out of range"),
+    Case("emulate-bus-link-live-symlink", ["emulate-bus", "--ids", "1", "--link", "ttyDXL"],
+         "a symlink to /dev/null exists", {"ttyDXL@": b"/dev/null"}, forbid=EMULATOR_RUN),
+    Case("emulate-bus-link-regular-file", ["emulate-bus", "--ids", "1", "--link", "notes.txt"],
+         "exists and is not a symlink", {"notes.txt": b"my notes\n"}, forbid=EMULATOR_RUN),
     # ---- failures mid-run leave nothing, and --force never deletes before the new result exists -------------
     Case("simulate-interrupted", SIM + ["--out", "o2", "--bag", "b"], "", code=130, interrupt=SIMULATE),
     Case("simulate-force-interrupted", SIM + ["--out", "o", "--force"], "", USER_OUT, code=130, interrupt=SIMULATE),
@@ -141,6 +146,8 @@ def test_cli_input(case: Case, tmp_path, monkeypatch, capsys):
         p = tmp_path / name
         if name.endswith("/"):
             p.mkdir(parents=True)
+        elif name.endswith("@"):                # a symlink to ``data``
+            os.symlink(data.decode(), tmp_path / name[:-1])
         else:
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(data)

@@ -2,19 +2,29 @@
 
 The options are checked here before the emulator starts: a malformed or empty id list (``--ids 6-1``), a bad
 ``--fault-silent`` / ``--fault-hw`` / ``--model`` entry, a non-positive rate or an out-of-range probability
-exits with code 2 and one line on stderr instead of serving no motors.
+exits with code 2 and one line on stderr instead of serving no motors. ``--link`` never replaces a file, nor a
+symlink that leads somewhere (a udev alias of a real adapter, another emulator's pty) unless ``--force``: only a
+dangling one, left by an emulator that was killed, is replaced without asking.
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import List
 
 from . import UserError
 from ._common import finite
 from ..hardware.dynamixel import emulator
-from ..hardware.dynamixel.emulator import add_arguments
+from ..hardware.dynamixel.emulator import add_arguments as _emulator_arguments
 
 __all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser) -> None:
+    _emulator_arguments(parser)
+    parser.add_argument("--force", action="store_true",
+                        help="let --link replace a symlink that leads somewhere (default: refuse it with exit code "
+                             "2; a dangling one is always replaced)")
 
 #: Dynamixel ids a motor may have (253-255 are reserved: 254 is broadcast).
 MAX_ID = 252
@@ -46,6 +56,13 @@ def parse_ids(flag: str, text: str, allow_empty: bool = False) -> List[int]:
 def _check(args) -> None:
     """Every option, before the emulator opens a pty."""
     ids = parse_ids("--ids", args.ids)
+    link = args.link
+    if link and os.path.lexists(link):
+        if not os.path.islink(link):
+            raise UserError(f"--link {link}: exists and is not a symlink; choose another path (nothing is replaced)")
+        if os.path.exists(link) and not getattr(args, "force", False):
+            raise UserError(f"--link {link}: a symlink to {os.readlink(link)} exists (a device alias, or another "
+                            "emulator's pty?); choose another path, remove it, or give --force to replace it")
     silent = parse_ids("--fault-silent", args.fault_silent, allow_empty=True)
     unknown = [i for i in silent if i not in ids]
     if unknown:
