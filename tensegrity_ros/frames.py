@@ -1,4 +1,4 @@
-"""Plate frames and rigid transforms from node positions (pure numpy, vectorised over leading axes).
+"""Plate frames, rigid transforms and quaternions from node positions (pure numpy, vectorised over leading axes).
 
 The seed paper (Sec. IV) describes the manipulator's motion by three frames built from node triples:
 C0 on the ground triangle (n1, n2, n3), C1 on Stage 1's plate (n10, n11, n12) and C2 on Stage 2's plate
@@ -12,6 +12,7 @@ at n2 (so its triple starts at n2, keeping the counter-clockwise order), C1's at
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence, Tuple
 
 import numpy as np
@@ -139,3 +140,41 @@ def fit_rigid_transform(src, dst, weights=None) -> Tuple[np.ndarray, np.ndarray]
     r = v @ (d[..., :, None] * np.swapaxes(u, -1, -2))
     t = cd[..., 0, :] - np.einsum("...ij,...j->...i", r, cs[..., 0, :])
     return r, t
+
+
+def quaternion_from_matrix(R: np.ndarray) -> Tuple[float, float, float, float]:
+    """(x, y, z, w) of a rotation matrix (Shepperd's method; plain floats: called per plate per frame)."""
+    R = _M(np.asarray(R, dtype=float)[:3, :3].tolist())
+    tr = R[0, 0] + R[1, 1] + R[2, 2]
+    if tr > 0:
+        s = 2.0 * math.sqrt(tr + 1.0)
+        w, x, y, z = 0.25 * s, (R[2, 1] - R[1, 2]) / s, (R[0, 2] - R[2, 0]) / s, (R[1, 0] - R[0, 1]) / s
+    elif R[0, 0] > R[1, 1] and R[0, 0] > R[2, 2]:
+        s = 2.0 * math.sqrt(1.0 + R[0, 0] - R[1, 1] - R[2, 2])
+        w, x, y, z = (R[2, 1] - R[1, 2]) / s, 0.25 * s, (R[0, 1] + R[1, 0]) / s, (R[0, 2] + R[2, 0]) / s
+    elif R[1, 1] > R[2, 2]:
+        s = 2.0 * math.sqrt(1.0 + R[1, 1] - R[0, 0] - R[2, 2])
+        w, x, y, z = (R[0, 2] - R[2, 0]) / s, (R[0, 1] + R[1, 0]) / s, 0.25 * s, (R[1, 2] + R[2, 1]) / s
+    else:
+        s = 2.0 * math.sqrt(1.0 + R[2, 2] - R[0, 0] - R[1, 1])
+        w, x, y, z = (R[1, 0] - R[0, 1]) / s, (R[0, 2] + R[2, 0]) / s, (R[1, 2] + R[2, 1]) / s, 0.25 * s
+    n = math.sqrt(x * x + y * y + z * z + w * w)
+    return x / n, y / n, z / n, w / n
+
+
+class _M:
+    """Nested lists indexed as m[i, j] (keeps the formula above readable without numpy scalars)."""
+
+    __slots__ = ("m",)
+
+    def __init__(self, m):
+        self.m = m
+
+    def __getitem__(self, ij):
+        return self.m[ij[0]][ij[1]]
+
+
+def matrix_from_quaternion(x: float, y: float, z: float, w: float) -> np.ndarray:
+    return np.array([[1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w)],
+                     [2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w)],
+                     [2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)]])

@@ -17,14 +17,6 @@ from .. import frames as F
 from .outputs import wrap_angle
 
 
-def rotation_from_quaternion(q: Sequence[float]) -> np.ndarray:
-    """(3, 3) rotation of the unit quaternion (x, y, z, w)."""
-    x, y, z, w = (float(v) for v in q)
-    return np.array([[1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w)],
-                     [2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w)],
-                     [2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)]])
-
-
 def target_from_pose(position: Sequence[float], quaternion: Sequence[float], frame_id: str,
                      present: Optional[np.ndarray] = None, expected_frame: str = "C0", max_offset_m: float = 0.1,
                      max_angle_rad: float = 0.5) -> Tuple[Optional[np.ndarray], str]:
@@ -39,7 +31,7 @@ def target_from_pose(position: Sequence[float], quaternion: Sequence[float], fra
     nq = float(np.linalg.norm(q))
     if abs(nq - 1.0) > 1e-3:
         return None, f"target orientation is not a unit quaternion (|q| = {nq:.4f})"
-    y = np.concatenate([p, F.euler_zyx(rotation_from_quaternion(q / nq))])
+    y = np.concatenate([p, F.euler_zyx(F.matrix_from_quaternion(*(q / nq)))])
     if present is not None:
         d = float(np.linalg.norm(y[:3] - present[:3]))
         a = float(np.abs(wrap_angle(y[3:] - present[3:])).max())

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..engine import Params, to_unconstrained
+from ..engine import TRANSFORMS, Params, to_unconstrained
 from ..model import Structure
 from .data import Dataset
 from .errors import IdentificationError
@@ -168,12 +168,13 @@ def fitted_start_mse(prob: RefineProblem, params: Params, delay_s: float = 0.0, 
 
 
 def prior_std_of(name: str, center: float, prior_std: Mapping[str, float]) -> Optional[float]:
-    """The prior's standard deviation of parameter ``name`` in its own unit (relative kinds x |centre|), or None."""
+    """The prior's standard deviation of parameter ``name`` in its own unit, or None: relative for the
+    log-parametrised kinds (x |centre|), absolute for the others, as the refinement applies it."""
     kind = name.rpartition(".")[2]
     sd = prior_std.get(kind)
     if sd is None or not sd > 0:
         return None
-    return float(sd) if kind in ("rest_length", "zero_offset") else float(sd) * abs(center)
+    return float(sd) * abs(center) if TRANSFORMS.get(kind) == "log" else float(sd)
 
 
 def prior_dominated(std_devs: Mapping[str, float], center: Mapping[str, float], prior_std: Mapping[str, float],

@@ -43,6 +43,8 @@ from sensor_msgs.msg import JointState
 
 from tensegrity_ros.msg import IdentifiedParameters, NodeStates, PredictedStates
 
+from ..frames import matrix_from_quaternion, quaternion_from_matrix  # noqa: F401 (C.* users)
+
 # =====================================================================================================
 # topics and QoS
 # =====================================================================================================
@@ -629,44 +631,6 @@ def markers_to_pose_array(stamp: float, markers, frame_id: str = "mocap") -> Pos
     msg.poses = [Pose(position=Point(x=x, y=y, z=z), orientation=Quaternion(w=1.0))
                  for x, y, z in np.asarray(markers, dtype=float).reshape(-1, 3).tolist()]
     return msg
-
-
-def quaternion_from_matrix(R: np.ndarray) -> Tuple[float, float, float, float]:
-    """(x, y, z, w) of a rotation matrix (Shepperd's method; plain floats: called per plate per frame)."""
-    R = _M(np.asarray(R, dtype=float)[:3, :3].tolist())
-    tr = R[0, 0] + R[1, 1] + R[2, 2]
-    if tr > 0:
-        s = 2.0 * math.sqrt(tr + 1.0)
-        w, x, y, z = 0.25 * s, (R[2, 1] - R[1, 2]) / s, (R[0, 2] - R[2, 0]) / s, (R[1, 0] - R[0, 1]) / s
-    elif R[0, 0] > R[1, 1] and R[0, 0] > R[2, 2]:
-        s = 2.0 * math.sqrt(1.0 + R[0, 0] - R[1, 1] - R[2, 2])
-        w, x, y, z = (R[2, 1] - R[1, 2]) / s, 0.25 * s, (R[0, 1] + R[1, 0]) / s, (R[0, 2] + R[2, 0]) / s
-    elif R[1, 1] > R[2, 2]:
-        s = 2.0 * math.sqrt(1.0 + R[1, 1] - R[0, 0] - R[2, 2])
-        w, x, y, z = (R[0, 2] - R[2, 0]) / s, (R[0, 1] + R[1, 0]) / s, 0.25 * s, (R[1, 2] + R[2, 1]) / s
-    else:
-        s = 2.0 * math.sqrt(1.0 + R[2, 2] - R[0, 0] - R[1, 1])
-        w, x, y, z = (R[1, 0] - R[0, 1]) / s, (R[0, 2] + R[2, 0]) / s, (R[1, 2] + R[2, 1]) / s, 0.25 * s
-    n = math.sqrt(x * x + y * y + z * z + w * w)
-    return x / n, y / n, z / n, w / n
-
-
-class _M:
-    """Nested lists indexed as m[i, j] (keeps the formula above readable without numpy scalars)."""
-
-    __slots__ = ("m",)
-
-    def __init__(self, m):
-        self.m = m
-
-    def __getitem__(self, ij):
-        return self.m[ij[0]][ij[1]]
-
-
-def matrix_from_quaternion(x: float, y: float, z: float, w: float) -> np.ndarray:
-    return np.array([[1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w)],
-                     [2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w)],
-                     [2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)]])
 
 
 def pose_from_matrix(T: np.ndarray) -> Pose:
