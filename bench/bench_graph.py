@@ -40,22 +40,24 @@ def _pct(stats, q, scale=1e3):
     return float(np.percentile(v, q) * scale) if v.size else float("nan")
 
 
-def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True) -> dict:
-    """robot_process: the simulated robot (twin, emulated bus, driver) in its own process (default), else
-    everything in one process."""
+def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True,
+        predictor_process: bool = False) -> dict:
+    """robot_process: the simulated robot (twin, emulated bus, driver) in a process of its own (default, as the
+    demo runs it), else in the graph's; predictor_process: the state predictor in one of its own too."""
     from tensegrity_ros.bringup import GraphConfig, build_graph, delivery, drain, graph_health, stop_sources
 
     # the demo's priorities: the simulated robot above the graph's callbacks, both above the compute workers
     from tensegrity_ros.commands.demo import GRAPH_NICE, ROBOT_NICE
 
     graph = build_graph(GraphConfig(keep_predictions_every=1000, robot_process=robot_process,
-                                    robot_nice=ROBOT_NICE, graph_nice=GRAPH_NICE))
+                                    predictor_process=predictor_process, robot_nice=ROBOT_NICE, graph_nice=GRAPH_NICE))
     try:
         nodes = graph.nodes
-        pr, idn, ing = nodes["state_predictor"], nodes["online_identifier"], nodes["mocap_ingest"]
-        for stats in (pr.latency, pr.compute):     # keep every sample of the run
-            stats._d = type(stats._d)(maxlen=int(duration_s * 200) + 1000)
-        pids = {"graph_process": os.getpid(), "predictor_worker": pr.worker_pid, "identifier_worker": idn.worker_pid}
+        idn, ing = nodes["online_identifier"], nodes["mocap_ingest"]
+        pids = {"graph_process": os.getpid(), "identifier_worker": idn.worker_pid}
+        for role, proc in (("robot_process", graph.robot), ("predictor_process", graph.predictor_proc)):
+            if proc is not None:
+                pids[role] = proc.proc.pid
         cpu0 = {k: _cpu_s(p) for k, p in pids.items()}
         load0 = os.getloadavg()
         graph.spin_in_background()
@@ -76,6 +78,7 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True) 
         drops = graph.drops()
         robot = graph.robot_stats()
         st = robot["driver"]
+        pr = graph.predictor()     # latency statistics: the last 20,000 predictions (~170 s at 120 Hz)
         deliv = delivery(graph, wall)
         health = graph_health(graph, wall)
         result = {
@@ -87,8 +90,8 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True) 
             "latency_p50_ms": _pct(pr.latency, 50), "latency_p99_ms": _pct(pr.latency, 99),
             "latency_max_ms": _pct(pr.latency, 100),
             "compute_p50_ms": _pct(pr.compute, 50), "compute_p99_ms": _pct(pr.compute, 99),
-            "predictions": int(pr.pub.count), "predictions_skipped_uncovered": int(pr.skipped_uncovered),
-            "predictions_extended": int(pr.stream.extended),
+            "predictions": pr.published, "predictions_skipped_uncovered": pr.skipped_uncovered,
+            "predictions_extended": pr.extended,
             "relinearize_ms_p50": _pct(pr.lin_time, 50), "relinearize_ms_p99": _pct(pr.lin_time, 99),
             "identifier_update_s_p50": _pct(idn.update_time, 50, 1.0),
             "identifier_update_s_p99": _pct(idn.update_time, 99, 1.0),
@@ -118,8 +121,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of motion (default 300)")
     ap.add_argument("--one-process", action="store_true", help="the simulated robot in the graph's process too")
+    ap.add_argument("--predictor-process", action="store_true", help="the state predictor in a process of its own")
     args = ap.parse_args(argv)
-    r = run(args.duration, robot_process=not args.one_process)
+    r = run(args.duration, robot_process=not args.one_process, predictor_process=args.predictor_process)
     print(f"latency p50 {r['latency_p50_ms']:.2f} ms, p99 {r['latency_p99_ms']:.2f} ms; identifier update "
           f"p50 {r['identifier_update_s_p50']:.2f} s; not delivered {r['dropped_messages']}; driver missed "
           f"{r['driver']['missed_cycles']} cycles; load {r['loadavg_end']}; wrote {OUT}")

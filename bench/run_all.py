@@ -4,7 +4,7 @@ Each bench module exposes ``run(...) -> dict`` and writes its own JSON; this scr
 prints a one-screen summary of the headline figures next to their targets, and writes
 ``build/bench/summary.json``. Speed lives here, never in timed test assertions.
 
-    python bench/run_all.py [--quick] [--only engine,hardware,identification,graph,generality]
+    python bench/run_all.py [--quick] [--only engine,hardware,identification,graph,generality,control]
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ BENCHES = {
     "identification": ("bench_identification", {"quick": False}, {"quick": True}),
     "graph": ("bench_graph", {"duration_s": 300.0}, {"duration_s": 30.0}),
     "generality": ("bench_generality", {}, {"structures": ("prism4_fixed",)}),
+    "control": ("bench_control", {"ident_s": 60.0}, {"ident_s": 40.0}),
 }
 
 #: (bench, json path, label, target text, check) — the headline figures.
@@ -60,6 +61,12 @@ HEADLINES = [
     ("generality", "worst.inside_2sigma", "generality suite: truth inside +-2 sigma, worst", ">= 0.9",
      lambda v: v >= 0.9),
     ("generality", "targets_met", "generality suite: every item-6 target met", "True", lambda v: v is True),
+    ("control", "identified_rmse_mm", "control: plate tracking RMSE, identified model [mm]", "< 2", lambda v: v < 2),
+    ("control", "nominal_rmse_mm", "control: plate tracking RMSE, nominal model [mm]", "(paired)", lambda v: True),
+    ("control", "ratio", "control: RMSE identified / nominal", "<= 0.5", lambda v: v <= 0.5),
+    ("control", "rate_hz", "control: controller rate [Hz]", ">= 20", lambda v: v >= 19.5),
+    ("control", "solve_p99_ms", "control: MPC solve p99 [ms]", "< 25", lambda v: v < 25),
+    ("control", "violations", "control: limit violations", "0", lambda v: v == 0),
 ]
 
 

@@ -4,10 +4,13 @@ state_predictor (see docs/nodes.md for the step-by-step set-up).
     ros2 launch tensegrity_ros manipulator.launch.py mocap_topic:=/optitrack/markers record:=true
 
 Arguments: bus_config (config/hardware/manipulator_bus.yaml), model_file, reference_file, mocap_topic,
-record, bag_path (all but bus_config are passed on to graph.launch.py).
+record, bag_path (all but bus_config are passed on to graph.launch.py), controller (false): also start
+plate_controller; the driver follows its /tensegrity/motor_plan through its safety clamps (limits, rate limit,
+plan timeout: hold) once a target arrives on /tensegrity/plate_target (docs/control.md).
 """
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, IncludeLaunchDescription
+from launch.conditions import IfCondition
 from launch.launch_description_sources import PythonLaunchDescriptionSource
 from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
 from launch_ros.actions import Node
@@ -35,6 +38,8 @@ def generate_launch_description():
         DeclareLaunchArgument("mocap_topic", default_value="/mocap/markers"),
         DeclareLaunchArgument("record", default_value="false"),
         DeclareLaunchArgument("bag_path", default_value="manipulator_run"),
+        DeclareLaunchArgument("controller", default_value="false",
+                              description="also start plate_controller (MPC of the top plate, docs/control.md)"),
     ]
     driver = Node(package=PACKAGE, executable="dynamixel_driver", name="dynamixel_driver", output="screen",
                   parameters=[_config("dynamixel_driver.yaml"),
@@ -45,4 +50,7 @@ def generate_launch_description():
         launch_arguments={"model_file": model_file, "reference_file": reference_file,
                           "mocap_topic": LaunchConfiguration("mocap_topic"), "use_sim_time": "false",
                           "record": LaunchConfiguration("record"), "bag_path": LaunchConfiguration("bag_path")}.items())
-    return LaunchDescription(arguments + [driver, graph])
+    controller = Node(package=PACKAGE, executable="plate_controller", name="plate_controller", output="screen",
+                      condition=IfCondition(LaunchConfiguration("controller")),
+                      parameters=[_config("plate_controller.yaml"), {"model_file": model_file}])
+    return LaunchDescription(arguments + [driver, graph, controller])

@@ -53,7 +53,8 @@ def generate_launch_description():
         DeclareLaunchArgument("bag_path", default_value="sim_run"),
         DeclareLaunchArgument("controller", default_value="false",
                               description="also start plate_controller (MPC of the top plate, docs/control.md); "
-                                          "it publishes /tensegrity/motor_plan, which the driver does not follow yet"),
+                                          "its plan on /tensegrity/motor_plan is followed by the driver through its "
+                                          "safety clamps; send a target on /tensegrity/plate_target"),
     ]
     sim = Node(package=PACKAGE, executable="sim_robot", name="sim_robot", output="screen",
                parameters=[_config("sim_robot.yaml"),

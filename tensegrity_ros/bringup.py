@@ -40,7 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG_NODES = ROOT / "config" / "nodes"
 DEFAULT_MODEL = ROOT / "config" / "models" / "stacked_manipulator.yaml"
 DEFAULT_REFERENCE = ROOT / "config" / "references" / "seed_sinusoids.yaml"
-NODE_ORDER = ("sim_robot", "dynamixel_driver", "mocap_ingest", "online_identifier", "state_predictor")
+#: what a graph starts by default; NODE_ORDER adds the nodes started only when asked for (``plate_controller``:
+#: ``tensegrity demo --controller``, ``sim.launch.py controller:=true``)
+DEFAULT_NODES = ("sim_robot", "dynamixel_driver", "mocap_ingest", "online_identifier", "state_predictor")
+NODE_ORDER = DEFAULT_NODES + ("plate_controller",)
 
 
 @dataclass
@@ -59,17 +62,20 @@ class GraphConfig:
     parameter services (off by default: nothing calls them in one process, and every service is one more entity
     the executor's wait set is rebuilt with; parameters are still declared, validated and settable through
     ``node.set_parameters``); robot_process: run the simulated robot's side (sim_robot, dynamixel_driver)
-    in a spawned child process of its own (:class:`RobotProcess`) instead of this one. The real robot is a
+    in a spawned child process of its own (:class:`NodeProcess`) instead of this one. The real robot is a
     separate system with its own driver process; in one process the twin's 1-kHz stepping and the driver's
     80-Hz bus loop share the GIL with every callback (measured: driver 30-60 Hz instead of 80 on a busy
-    2-core machine, 80 Hz in its own process).
+    2-core machine, 80 Hz in its own process). predictor_process: the state predictor in a spawned process of
+    its own too (as ``ros2 launch`` runs it): its 120-Hz per-message path then waits for no other node's
+    callback or thread in the graph's process (ingest, identifier, monitor, the demo's status line), which
+    set its latency tail when they shared one interpreter (issue 16).
     """
 
     model_file: str = str(DEFAULT_MODEL)
     true_model_file: str = ""
     reference_file: str = str(DEFAULT_REFERENCE)
     perturb_fraction: float = 0.2
-    nodes: Tuple[str, ...] = NODE_ORDER
+    nodes: Tuple[str, ...] = DEFAULT_NODES
     overrides: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     threads: int = 6
     link_path: str = ""
@@ -80,11 +86,12 @@ class GraphConfig:
     executor: str = "single"
     parameter_services: bool = False
     robot_process: bool = False
+    predictor_process: bool = False
     keep_predictions_every: int = 6
     switch_interval_s: Optional[float] = 0.001
     #: niceness of the simulated robot's process (twin + emulated bus + driver: the real-time part) and of the
     #: graph's process (ingest, callbacks); None = leave as is. The compute workers run at their nodes'
-    #: ``worker_nice`` (5), below both. Raising a priority needs the right to (see workers.set_niceness); a
+    #: ``worker_nice`` (the predictor's -5, the identifier's 5), below both. Raising a priority needs the right to (see workers.set_niceness); a
     #: refusal is logged and recorded (``Graph.priorities``), and the run goes on.
     robot_nice: Optional[int] = None
     graph_nice: Optional[int] = None
@@ -273,7 +280,9 @@ class Graph:
     t_start: float = 0.0
     error: Optional[BaseException] = None
     stopping: bool = False
-    robot: Optional["RobotProcess"] = None
+    robot: Optional["NodeProcess"] = None
+    #: the state predictor's own process (GraphConfig.predictor_process), else None
+    predictor_proc: Optional["NodeProcess"] = None
     #: {process: {"done", "niceness" (now), "message"}} of GraphConfig.robot_nice / graph_nice
     priorities: Dict[str, Any] = field(default_factory=dict)
     #: garbage-collector pauses of this process from the start of the run (:class:`GcPauses`)
@@ -302,8 +311,36 @@ class Graph:
         sim = self.nodes.get("sim_robot")
         if sim is not None:
             sim.start()
-        if self.robot is not None:
-            self.robot.start()
+        for proc in self.processes():
+            proc.start()
+
+    def processes(self) -> List["NodeProcess"]:
+        """The graph's node processes besides this one."""
+        return [p for p in (self.robot, self.predictor_proc) if p is not None]
+
+    def predictor(self):
+        """The state predictor's :class:`~tensegrity_ros.nodes.state_predictor.PredictorFigures`, wherever it runs
+        (None without one). From its own process this is a snapshot taken now."""
+        if self.predictor_proc is not None:
+            return self.predictor_proc.request("figures")
+        pr = self.nodes.get("state_predictor")
+        return None if pr is None else pr.figures()
+
+    def predictor_latency_recent_ms(self) -> float:
+        """Median latency of the state predictor's last 240 predictions (~2 s), ms: cheap, for status lines."""
+        if self.predictor_proc is not None:
+            return float(self.predictor_proc.stats().get("latency_recent_ms_p50", math.nan))
+        pr = self.nodes.get("state_predictor")
+        recent = pr.latency.recent(240) if pr is not None else np.zeros(0)
+        return float(np.median(recent) * 1e3) if recent.size else math.nan
+
+    def faults(self) -> Dict[str, str]:
+        """{node or process: why it stopped} over the whole graph; empty while everything runs."""
+        out = {n: f"{type(node.fault).__name__}: {node.fault}" for n, node in self.nodes.items()
+               if getattr(node, "fault", None) is not None}
+        for proc in self.processes():
+            out.update(proc.stats()["faults"])
+        return out
 
     # ---- the simulated robot's side, wherever it runs ------------------------------------------------
     @property
@@ -323,14 +360,16 @@ class Graph:
     def published_counts(self) -> Dict[str, int]:
         """Messages published per topic by the graph's nodes (the driver: its cycles), robot process included."""
         out = _published(self.nodes)
-        if self.robot is not None:
-            for t, n in self.robot.stats()["published"].items():
+        for proc in self.processes():
+            for t, n in proc.stats()["published"].items():
                 out[t] = out.get(t, 0) + n
         return out
 
     def subscribers(self) -> Dict[str, C.SequenceMonitor]:
         """Every counting subscriber of the graph: the monitor and the nodes' own input monitors."""
         out = {name: node.seq for name, node in self.nodes.items() if getattr(node, "seq", None) is not None}
+        if self.predictor_proc is not None:
+            out["state_predictor"] = self.predictor_proc.stats()["seq"]
         if self.monitor is not None:
             out["graph_monitor"] = self.monitor.seq
         return out
@@ -362,8 +401,8 @@ class Graph:
         self.stopping = True
         if self.gc is not None:
             self.gc.close()
-        if self.robot is not None:   # the robot process turns torque off and closes while this side tears down
-            self.robot.begin_shutdown()
+        for proc in self.processes():   # the robot process turns torque off while this side tears down
+            proc.begin_shutdown()
         try:   # every part below is bounded: the whole graph is down within ~2 s, even with work in flight
             self.executor.shutdown(timeout_sec=0.5)
         except Exception:
@@ -383,8 +422,8 @@ class Graph:
                 self.monitor.destroy_node()
             except Exception:
                 pass
-        if self.robot is not None:
-            self.robot.shutdown()
+        for proc in self.processes():
+            proc.shutdown()
         if self.owns_context:
             rclpy.try_shutdown(context=self.context)
 
@@ -400,6 +439,7 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
     from .nodes.mocap_ingest import MocapIngestNode
     from .nodes.online_identifier import OnlineIdentifierNode
     from .nodes.sim_robot import SimRobotNode
+    from .nodes.plate_controller import PlateControllerNode
     from .nodes.state_predictor import StatePredictorNode
 
     cfg = config or GraphConfig()
@@ -423,6 +463,7 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
     link = cfg.link_path or f"/tmp/tensegrity_ttyEMU_{os.getpid()}_{int(time.time() * 1e3) % 100000}"
     robot_nodes = ("sim_robot", "dynamixel_driver")
     remote = cfg.robot_process and any(n in cfg.nodes for n in robot_nodes)
+    predictor_remote = cfg.predictor_process and "state_predictor" in cfg.nodes
     common = {"model_file": str(cfg.model_file)}
     per_node = {
         "sim_robot": {**common, "true_model_file": cfg.true_model_file, "perturb_fraction": cfg.perturb_fraction,
@@ -432,9 +473,11 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
         "mocap_ingest": common,
         "online_identifier": common,
         "state_predictor": {**common, "reference_file": str(cfg.reference_file)},
+        "plate_controller": common,
     }
     classes = {"sim_robot": SimRobotNode, "dynamixel_driver": DynamixelDriverNode, "mocap_ingest": MocapIngestNode,
-               "online_identifier": OnlineIdentifierNode, "state_predictor": StatePredictorNode}
+               "online_identifier": OnlineIdentifierNode, "state_predictor": StatePredictorNode,
+               "plate_controller": PlateControllerNode}
     nodes: Dict[str, Node] = {}
     if cfg.executor not in ("single", "multi"):
         raise ValueError(f"executor {cfg.executor!r} (valid: single, multi)")
@@ -461,11 +504,16 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
                                    keep_node_states=cfg.keep_node_states)
             graph.monitor = monitor
             graph.executor.add_node(monitor)
-        if remote:   # the robot side in its own process, started first (its pty must exist for the driver)
-            from dataclasses import replace
-            graph.robot = RobotProcess(replace(cfg, nodes=tuple(n for n in cfg.nodes if n in robot_nodes),
-                                               robot_process=False, monitor=False, link_path=link,
-                                               graph_nice=None))
+        from dataclasses import replace
+        if predictor_remote:   # spawned first: it imports torch and starts its worker while the rest is built
+            graph.predictor_proc = NodeProcess(replace(cfg, nodes=("state_predictor",), robot_process=False,
+                                                       predictor_process=False, monitor=False, robot_nice=None),
+                                               "predictor")
+        if remote:   # the robot side in its own process (its pty must exist for the driver)
+            graph.robot = NodeProcess(replace(cfg, nodes=tuple(n for n in cfg.nodes if n in robot_nodes),
+                                              robot_process=False, predictor_process=False, monitor=False,
+                                              link_path=link, graph_nice=None), "robot")
+            graph.robot.wait_ready()
             if graph.robot.priority is not None:
                 priorities["robot_process"] = graph.robot.priority
         elif cfg.robot_nice is not None and any(n in cfg.nodes for n in robot_nodes):
@@ -473,7 +521,8 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
             priorities["robot_process"] = {"done": False, "niceness": os.getpriority(os.PRIO_PROCESS, 0),
                                            "message": "the simulated robot runs in the graph's process"}
         for name in NODE_ORDER:
-            if name not in cfg.nodes or (remote and name in robot_nodes):
+            if name not in cfg.nodes or (remote and name in robot_nodes) or \
+                    (predictor_remote and name == "state_predictor"):
                 continue
             values = {**(yaml_parameters(name) if name != "dynamixel_driver" else {}), **per_node[name],
                       **cfg.overrides.get(name, {})}
@@ -485,6 +534,10 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
             node = classes[name](context=context, parameter_overrides=_parameters(values), **kw)
             nodes[name] = node
             graph.executor.add_node(node)
+        if graph.predictor_proc is not None:
+            graph.predictor_proc.wait_ready()
+            if graph.predictor_proc.priority is not None:
+                priorities["predictor_process"] = graph.predictor_proc.priority
     except BaseException:
         graph.shutdown()
         raise
@@ -536,30 +589,52 @@ def _renice(nice: int, what: str):
     return {"done": done, "niceness": now, "message": text}
 
 
-def _robot_main(conn, cfg: GraphConfig) -> None:
-    """Child process of :class:`RobotProcess`: build the robot side, then serve start/stats/stop/shutdown."""
+def _predictor_stats(nodes: Mapping[str, Node]) -> Dict[str, Any]:
+    """The light figures of a predictor process, asked for often (drain, status lines): counts, not samples."""
+    pr = nodes["state_predictor"]
+    fault = getattr(pr, "fault", None)
+    recent = pr.latency.recent(240)
+    return {"published": _published(nodes), "seq": pr.seq,
+            "latency_recent_ms_p50": float(np.median(recent) * 1e3) if recent.size else math.nan,
+            "faults": {"state_predictor": f"{type(fault).__name__}: {fault}"} if fault is not None else {}}
+
+
+#: per role of a :class:`NodeProcess`: what it says about itself ("stats") and what else it answers
+_ROLES: Dict[str, Dict[str, Callable[[Mapping[str, Node]], Any]]] = {
+    "robot": {"stats": _robot_stats},
+    "predictor": {"stats": _predictor_stats, "figures": lambda nodes: nodes["state_predictor"].figures()},
+}
+
+
+def _process_main(conn, cfg: GraphConfig, role: str) -> None:
+    """Child process of :class:`NodeProcess`: build the role's nodes, then serve start / stop / shutdown and
+    the role's requests (``_ROLES``)."""
     graph = None
     try:
         from dataclasses import replace
 
-        prio = _renice(cfg.robot_nice, "the simulated robot's process") if cfg.robot_nice is not None else None
-        graph = build_graph(replace(cfg, robot_nice=None))   # applied above, to this whole process
+        nice = cfg.robot_nice if role == "robot" else cfg.graph_nice
+        prio = _renice(nice, f"the {role}'s process") if nice is not None else None
+        graph = build_graph(replace(cfg, robot_nice=None, graph_nice=None))   # applied above, to this process
         sim = graph.nodes.get("sim_robot")
         conn.send(("ready", {"true_structure": None if sim is None else sim.true_structure, "priority": prio}))
-        stats = None
+        answers = _ROLES[role]
+        final = None     # the robot's stats once its sources stopped (nothing changes after that)
         while True:
             cmd = conn.recv()
             if cmd == "start":
                 graph.spin_in_background()
                 conn.send(("ok", None))
-            elif cmd == "stats":
-                conn.send(("ok", stats or _robot_stats(graph.nodes)))
             elif cmd == "stop":
                 stop_sources(graph)
-                stats = _robot_stats(graph.nodes)
-                conn.send(("ok", stats))
+                final = answers["stats"](graph.nodes)
+                conn.send(("ok", final))
             elif cmd == "shutdown":
                 break
+            elif cmd in answers:
+                conn.send(("ok", final if cmd == "stats" and final is not None else answers[cmd](graph.nodes)))
+            else:
+                conn.send(("error", f"unknown request {cmd!r} (valid: start, stop, shutdown, {', '.join(answers)})"))
     except (EOFError, KeyboardInterrupt):
         pass
     except BaseException as e:  # pragma: no cover - reported to the parent
@@ -576,56 +651,78 @@ def _robot_main(conn, cfg: GraphConfig) -> None:
             pass
 
 
-class RobotProcess:
-    """The simulated robot's side (sim_robot + dynamixel_driver) in a spawned process with its own rclpy
-    context, executor and GIL; controlled over a pipe (start, stats, stop, shutdown). Its topics are ordinary
-    DDS topics for the rest of the graph."""
+class NodeProcess:
+    """Some of the graph's nodes in a spawned process with its own rclpy context, executor and GIL, controlled
+    over a pipe (start, stats, stop, shutdown, and the role's requests). role ``robot``: sim_robot +
+    dynamixel_driver; ``predictor``: state_predictor. Their topics are ordinary DDS topics for the rest of
+    the graph. Not a daemon process: the predictor starts a worker process of its own (a daemon may not);
+    :meth:`shutdown` ends it within ~2 s whatever it is doing."""
 
-    def __init__(self, cfg: GraphConfig, timeout_s: float = 120.0):
+    def __init__(self, cfg: GraphConfig, role: str, timeout_s: float = 120.0):
         import multiprocessing
 
+        if role not in _ROLES:
+            raise ValueError(f"role {role!r} (valid: {', '.join(_ROLES)})")
         ctx = multiprocessing.get_context("spawn")
+        self.role = role
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_robot_main, args=(child, cfg), name="tensegrity-robot", daemon=True)
+        self.proc = ctx.Process(target=_process_main, args=(child, cfg, role), name=f"tensegrity-{role}",
+                                daemon=False)
         self.proc.start()
         self._lock = threading.Lock()
         self._final: Optional[Dict[str, Any]] = None
-        if not self.conn.poll(timeout_s):
+        self._timeout_s = timeout_s
+        self.true_structure = None
+        self.priority = None
+        self._ready = False
+
+    def wait_ready(self) -> None:
+        """Block until the child has built its nodes (raises if it failed or took longer than the timeout)."""
+        if self._ready:
+            return
+        if not self.conn.poll(self._timeout_s):
             self.shutdown()
-            raise RuntimeError("the robot process did not start")
+            raise RuntimeError(f"the {self.role} process did not start within {self._timeout_s:.0f} s")
         kind, info = self.conn.recv()
         if kind != "ready":
             self.shutdown()
-            raise RuntimeError(f"the robot process failed: {info}")
+            raise RuntimeError(f"the {self.role} process failed: {info}")
         self.true_structure = info["true_structure"]
         self.priority = info.get("priority")
+        self._ready = True
 
-    def _request(self, cmd: str):
+    def request(self, cmd: str):
+        """One request, answered by the child (see ``_ROLES``)."""
+        self.wait_ready()
         with self._lock:
             self.conn.send(cmd)
             kind, value = self.conn.recv()
         if kind != "ok":
-            raise RuntimeError(f"robot process: {value}")
+            raise RuntimeError(f"{self.role} process: {value}")
         return value
 
     def start(self) -> None:
-        self._request("start")
+        self.request("start")
 
     def stats(self) -> Dict[str, Any]:
+        """The role's stats; ``faults`` says why when the process cannot answer."""
         if self._final is not None:
             return self._final
         try:
-            return self._request("stats")
+            return self.request("stats")
         except (EOFError, OSError, RuntimeError) as e:
-            return {"published": {}, "driver": {}, "sim": {}, "faults": {"robot_process": str(e)}}
+            empty = {"published": {}, "driver": {}, "sim": {}} if self.role == "robot" else \
+                {"published": {}, "seq": C.SequenceMonitor()}
+            return {**empty, "faults": {f"{self.role}_process": str(e)}}
 
     def stop(self) -> Dict[str, Any]:
+        """Stop the role's sources (the robot's simulation and driver loop); its stats are final from then on."""
         if self._final is None:
-            self._final = self._request("stop")
+            self._final = self.request("stop")
         return self._final
 
     def begin_shutdown(self) -> None:
-        """Ask the robot process to stop (torque off, emulator closed) without waiting for it."""
+        """Ask the process to stop (torque off, emulator closed, worker ended) without waiting for it."""
         if getattr(self, "_asked", False):
             return
         try:
@@ -639,7 +736,7 @@ class RobotProcess:
             pass
 
     def shutdown(self, timeout_s: float = 1.5) -> None:
-        """Stop the robot process (:meth:`begin_shutdown`, then wait); SIGTERM after ``timeout_s``, SIGKILL 0.5 s
+        """Stop the process (:meth:`begin_shutdown`, then wait); SIGTERM after ``timeout_s``, SIGKILL 0.5 s
         later."""
         self.begin_shutdown()
         self.proc.join(timeout=timeout_s)
@@ -687,12 +784,9 @@ def run_graph(duration_s: float, config: Optional[GraphConfig] = None, *, contex
             time.sleep(min(tick_s, duration_s - elapsed))
             if on_tick is not None:
                 on_tick(graph, time.monotonic() - t0)
-            for node in graph.nodes.values():
-                if getattr(node, "fault", None) is not None:
-                    raise RuntimeError(f"{node.get_name()} stopped: {node.fault}")
-            faults = graph.robot.stats()["faults"] if graph.robot is not None else {}
+            faults = graph.faults()
             if faults:
-                raise RuntimeError(f"robot process: {faults}")
+                raise RuntimeError(f"stopped: {faults}")
         elapsed = time.monotonic() - t0
         stop_sources(graph)
         drain(graph, drain_s)
@@ -721,10 +815,11 @@ def delivery(graph: Graph, duration_s: float) -> Dict[str, Dict[str, float]]:
     mocap_hz = robot["sim"].get("mocap_rate_hz", math.nan)
     motor_hz = robot["driver"].get("rate_hz", math.nan)
     nodes = graph.nodes
-    consumers = [nodes[n] for n in ("online_identifier", "state_predictor") if n in nodes]
+    subs = graph.subscribers()
+    consumers = [subs[n] for n in ("online_identifier", "state_predictor") if n in subs]
 
     def least(topic):
-        got = [c.seq.received.get(topic, 0) for c in consumers]
+        got = [seq.received.get(topic, 0) for seq in consumers]
         return min(got) if got else 0
 
     ing = nodes.get("mocap_ingest")
@@ -739,7 +834,7 @@ def health_figures(graph: Graph, duration_s: float) -> Dict[str, float]:
     """The graph's health figures (``config/health.yaml``, section ``graph``) over a run of ``duration_s``."""
     nodes = graph.nodes
     out: Dict[str, float] = {f"{k}_delivered": v["fraction"] for k, v in delivery(graph, duration_s).items()}
-    pr, idn = nodes.get("state_predictor"), nodes.get("online_identifier")
+    pr, idn = graph.predictor(), nodes.get("online_identifier")
     out["predictions_per_node_state"] = pr.predictions_per_node_state() if pr is not None else math.nan
     out["prediction_latency_ms_p99"] = pr.latency.percentile(99) * 1e3 if pr is not None and pr.latency.count \
         else math.nan

@@ -30,6 +30,8 @@ USER_OUT = {"o/mine.txt": b"my own results\n"}
 USER_BAG = {"recording/mine.txt": b"my recording\n"}
 RANDOM_BYTES = random.Random(16).randbytes(4096)
 IDENTIFY = ["identify", "no_bag_needed", "--model", MODEL, "--out", "new.yaml"]
+WEIGHED_BAD = Path(SMALL).read_text().replace("  mass: 10.0\n", "  mass: 10.0\n  mass_std: two percent\n",
+                                              1).encode()
 SIM = ["simulate", SMALL, "--duration", "0.2", "--settle", "0"]
 
 
@@ -96,6 +98,17 @@ CASES = [
          forbid=READ_BAG),
     Case("identify-window-nan", IDENTIFY + ["--window", "nan"], "--window nan: expected a finite number > 0",
          forbid=READ_BAG),
+    # ---- several bags (issue 17 item 7): each there and given once, before any is read -------------------------
+    Case("identify-second-bag-missing", ["identify", "recording", "nope", "--model", MODEL, "--out", "p.yaml"],
+         "nope: no such bag (bag 2 of 2", USER_BAG, forbid=READ_BAG),
+    Case("identify-bag-given-twice", ["identify", "recording", "./recording", "--model", MODEL, "--out", "p.yaml"],
+         "./recording: given twice (bags 1 and 2)", USER_BAG, forbid=READ_BAG),
+    # ---- a bar's mass_std in the structure file (issue 17 item 4), the --truth file ----------------------------
+    Case("identify-model-mass-std-bad", ["identify", "b", "--model", "weighed.yaml", "--out", "p.yaml"],
+         "weighed.yaml: bars[0].mass_std = 'two percent': expected the mass's standard deviation in kg",
+         {"weighed.yaml": WEIGHED_BAD}, forbid=READ_BAG),
+    Case("identify-truth-missing", IDENTIFY + ["--report", "rep", "--truth", "nope.yaml"],
+         "--truth nope.yaml: no such file", forbid=READ_BAG),
     # ---- outputs that cannot be written: refused before the (long) identification ---------------------------
     Case("identify-out-in-proc", IDENTIFY[:-1] + ["/proc/x.yaml"], "--out /proc/x.yaml: cannot write in /proc",
          forbid=READ_BAG),

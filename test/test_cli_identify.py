@@ -74,8 +74,83 @@ def test_identify_writes_a_valid_structure_file_and_a_report(recorded, tmp_path,
     names = {k for k, _ in identified.std_devs}
     assert {"sc1.stiffness", "b1.mass"} <= names
     assert all(np.isfinite(v) and v >= 0 for _, v in identified.std_devs)
-    for name in ("plates.png", "residuals.png", "convergence.png", "parameters.txt", "summary.json"):
+    for name in ("plates.png", "residuals.png", "convergence.png", "parameters.txt", "summary.json",
+                 "parameters.csv", "parameters.md"):
         assert (report / name).is_file(), name
+    # the report a person reads (issue 17 item 10): every parameter, with its prior, value, +-2 sigma and, the
+    # truth lying beside the bag (simulate's true_model.yaml), its error
+    from tensegrity_ros.engine import params_from_structure
+    every = params_from_structure(load_structure(MANIPULATOR)).names()
+    assert len(every) == 72                          # 14 strings x 3, 18 masses, 6 actuators x 2 (spool, zero offset)
+    import csv
+    rows = {r["parameter"]: r for r in csv.DictReader((report / "parameters.csv").open())}
+    assert list(rows) == every
+    md = (report / "parameters.md").read_text()
+    assert all(f"| {n} |" in md for n in every)
+    truth = {n: float(v) for n, v in params_from_structure(load_structure(recorded / "true_model.yaml")).named().items()}
+    for n in ("sc1.stiffness", "b1.mass", "sc4.rest_length"):
+        r = rows[n]
+        assert r["status"] in ("estimated", "kept at the prior") and float(r["prior"]) > 0 and float(r["std"]) > 0
+        assert float(r["truth"]) == pytest.approx(truth[n])
+        assert float(r["plus_2sigma"]) - float(r["minus_2sigma"]) == pytest.approx(4 * float(r["std"]), rel=1e-6)
+        err = float(r["error"])
+        expect = 1e3 * (float(r["value"]) - truth[n]) if n.endswith("rest_length") else \
+            100 * (float(r["value"]) / truth[n] - 1)
+        assert err == pytest.approx(expect, rel=1e-6, abs=1e-9)
+    assert rows["m1.spool_radius"]["status"] == "fixed"                 # not estimated, still listed
+    assert summary["truth_inside_2sigma"]["of"] > 0 and len(summary["parameters"]) == 72
+    assert sum(r["status"] != "fixed" for r in rows.values()) == 60     # the 60 the convergence plot cut to 24
+    # progress while the checks run and the report is built, and a single bag reported as before
+    assert "model check (" in printed and "held-out check (" in printed and "report [1/4]" in printed
+    assert "recording 1" not in printed and isinstance(summary["bag"], str)
+
+
+def test_identify_fits_several_bags_jointly(recorded, tmp_path, capsys):
+    """Two recordings of the same robot (the second: another drive, another noise draw) give ONE parameter set,
+    and each recording's residual is reported (console, summary.json, report); issue 17 item 7."""
+    reversed_drive = tmp_path / "reversed.yaml"
+    reversed_drive.write_text(SHORT_REF.read_text().replace("phases_deg: [120.0, 0.0, -120.0]",
+                                                            "phases_deg: [-120.0, 0.0, 120.0]"))
+    second = tmp_path / "second"
+    assert main(["simulate", str(recorded / "true_model.yaml"), "--duration", "3", "--out", str(second), "--bag",
+                 str(second / "bag"), "--reference", str(reversed_drive), "--noise-mm", "0.3", "--occlusion", "0.02",
+                 "--seed", "4"]) == 0
+    capsys.readouterr()
+    out, report = tmp_path / "params.yaml", tmp_path / "report"
+    rc = main(["identify", str(recorded / "bag"), str(second / "bag"), "--model", str(MANIPULATOR), "--out", str(out),
+               "--report", str(report), "--max-iter", "2", "--windows", "6", "--longer-windows", "none",
+               "--holdout", "0"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((report / "summary.json").read_text())
+    recs = summary["recordings"]
+    assert [r["bag"] for r in recs] == [str(recorded / "bag"), str(second / "bag")]
+    for k, r in enumerate(recs):
+        assert r["windows"] >= 1 and r["samples"] > 0, r                # both recordings are in the one fit
+        assert 0 < r["residual_rms_m"] < 0.01 and r["prediction_1s_rms_mm"] > 0
+        assert f"recording {k + 1} {r['bag']}: residual RMS {r['residual_rms_m'] * 1e3:.3f} mm" in printed
+    assert sum(r["windows"] for r in recs) <= 6                          # --windows counts over all of them
+    assert summary["duration_s"] == pytest.approx(6.0 + 3.0, abs=0.2)
+    for name in ("plates-1.png", "plates-2.png", "residuals.png", "convergence.png", "parameters.csv"):
+        assert (report / name).is_file(), name
+    assert "recording 2" in (report / "parameters.md").read_text()
+    assert main(["validate", str(out)]) == 0
+
+
+def test_several_bags_of_different_robots_exit_2(recorded, tmp_path, capsys):
+    """A bag among several whose motors are not the model's (another robot): exit 2 naming that bag and the fix,
+    nothing written."""
+    rec = read_robot_bag(recorded / "bag")
+    other = tmp_path / "other_robot"
+    write_robot_bag(other, motor_states=JointSeries(rec.motor_times, tuple(f"motor_{k}" for k in range(6)),
+                                                    rec.motor_angles),
+                    markers=MarkerSeries(rec.marker_times, rec.markers))
+    out = tmp_path / "params.yaml"
+    rc = main(["identify", str(recorded / "bag"), str(other), "--model", str(MANIPULATOR), "--out", str(out),
+               "--max-iter", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and not out.exists()
+    assert str(other) in err and "bag 2 of 2" in err and "every bag must record the robot of --model" in err
 
 
 def _run_bad(tmp_path, bag, model=MANIPULATOR, capsys=None):

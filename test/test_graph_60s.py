@@ -1,6 +1,7 @@
 """The whole graph (tensegrity_ros.bringup) for 60 s against the simulated robot: sim_robot (MuJoCo twin +
 emulated Dynamixel bus on a pty) and dynamixel_driver (real SDK on that pty, driving the reference) in the
-robot's process, mocap_ingest, online_identifier, state_predictor and a monitor in the graph's process. Every topic flows, and no message is lost on
+robot's process, state_predictor in a process of its own, mocap_ingest, online_identifier and a monitor in the
+graph's process: the demo's layout. Every topic flows, and no message is lost on
 any subscription: DDS publication-sequence gaps and published-minus-received counts, after the streams stop
 and the queues drain, are all zero. ~75 s (60 s of motion + worker start-up + drain).
 
@@ -9,10 +10,11 @@ on a shared CI machine; the 120-Hz real-time figures (latency, drops over 5 minu
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
-from tensegrity_ros.bringup import GraphConfig, run_graph, yaml_parameters
+from tensegrity_ros.bringup import GraphConfig, build_graph, run_graph, yaml_parameters
 from tensegrity_ros.nodes import _common as C
 
 DURATION_S = float(os.environ.get("TENSEGRITY_GRAPH_TEST_S", "60"))
@@ -20,7 +22,8 @@ MOCAP_HZ = 60.0
 
 
 def test_graph_runs_60s_with_zero_drops():
-    run = run_graph(DURATION_S, GraphConfig(robot_process=True, overrides={"sim_robot": {"mocap_rate_hz": MOCAP_HZ}}))
+    run = run_graph(DURATION_S, GraphConfig(robot_process=True, predictor_process=True,
+                                            overrides={"sim_robot": {"mocap_rate_hz": MOCAP_HZ}}))
     truth_every = yaml_parameters("sim_robot")["ground_truth_every"]
     rx, pub = run.received, run.published
     # every stream flowed (rates loose: the CI machine may be shared)
@@ -29,6 +32,8 @@ def test_graph_runs_60s_with_zero_drops():
     for topic, rate in expect.items():
         assert rx.get(topic, 0) >= 0.25 * rate * DURATION_S, f"{topic}: only {rx.get(topic, 0)} messages"
     assert rx.get(C.TOPICS["predicted_states"], 0) > 0, "no predictions"
+    assert "state_predictor" not in run.nodes            # it ran in its own process; its counts came over the pipe
+    assert run.drops["state_predictor"][C.TOPICS["node_states"]] == 0
     assert rx.get(C.TOPICS["identified_parameters"], 0) >= 1
     assert rx.get(C.TOPICS["diagnostics"], 0) > 0
     # nothing lost anywhere
@@ -54,3 +59,26 @@ def test_graph_runs_60s_with_zero_drops():
     assert h["figures"]["mocap_frames_delivered"]["value"] == pytest.approx(d["mocap_frames"]["fraction"])
     assert h["verdict"].startswith("HEALTHY" if run.health.healthy else "DEGRADED")
     print(h["verdict"])
+
+
+def test_predictor_process_reports_its_figures_and_its_death():
+    """The predictor in its own process: its figures come back by value, and when the process dies the graph
+    says so (``Graph.faults``) instead of reporting a healthy run without predictions; shutdown stays bounded."""
+    from tensegrity_ros.nodes.state_predictor import PredictorFigures
+
+    graph = build_graph(GraphConfig(nodes=("state_predictor",), predictor_process=True, monitor=False))
+    try:
+        graph.spin_in_background()
+        fig = graph.predictor()
+        assert isinstance(fig, PredictorFigures)
+        assert fig.published == 0 and fig.due == 0 and fig.dt > 0       # no node states: nothing due, nothing sent
+        assert graph.faults() == {}
+        assert "state_predictor" in graph.subscribers()
+        graph.predictor_proc.proc.kill()
+        graph.predictor_proc.proc.join(5.0)
+        faults = graph.faults()
+        assert "predictor_process" in faults, faults
+    finally:
+        t0 = time.monotonic()
+        graph.shutdown()
+        assert time.monotonic() - t0 < 3.0

@@ -140,6 +140,30 @@ def test_weighed_masses_set_the_scale():
     assert "kept at the prior" in weighed.summary()
 
 
+def test_a_bar_weighed_in_the_structure_file_sets_its_own_mass_prior():
+    """``mass_std`` on a bar in the structure file (issue 17 item 4): that bar's mass prior, in place of the global
+    ``prior_std["mass"]`` (and it fixes the scale on its own); without it the global width applies."""
+    nominal, truth, truth_dict, rng = _nominal_and_truth(3)
+    data = _engine_recording(truth, rng)
+    kinds = ("mass", "stiffness", "damping")
+    opts = dataclasses.replace(OPTIONS, estimate=kinds, refine_kinds=kinds, longer_windows=(), max_iter=4,
+                               covariance_windows=8, prior_dominated_ratio=None, heldout_check=False)
+    weighed_file = yaml.safe_load(HOIST.format(law1="spring", law2="spring"))   # the nominal, plus the weighing
+    weighed_file["bars"][0]["mass_std"] = "0.5%"
+    weighed = structure_from_dict(weighed_file, source="weighed")
+    assert weighed.bars[0].mass_std == pytest.approx(0.005 * weighed.bars[0].mass)
+    only_file = identify(weighed, data, options=dataclasses.replace(
+        opts, prior_std={"stiffness": 0.2, "damping": 0.2}))
+    assert only_file.ok and not only_file.refinement.problem.gauge and not only_file.ratios
+    assert only_file.std_devs["rod.mass"] == pytest.approx(0.005, rel=0.15)        # 0.5 % of 1 kg
+    both = identify(weighed, data, options=dataclasses.replace(
+        opts, prior_std={"stiffness": 0.2, "damping": 0.2, "mass": 0.2}))
+    assert both.std_devs["rod.mass"] == pytest.approx(0.005, rel=0.15)             # the file's, not 20 %
+    flag_only = identify(nominal, data, options=dataclasses.replace(
+        opts, prior_std={"stiffness": 0.2, "damping": 0.2, "mass": 0.05}))
+    assert flag_only.std_devs["rod.mass"] == pytest.approx(0.05, rel=0.15)         # the global flag still works
+
+
 def test_prior_dominated_and_held_out_check_functions():
     assert prior_dominated({"a.stiffness": 19.0, "b.stiffness": 5.0, "a.rest_length": 0.0019},
                            {"a.stiffness": 100.0, "b.stiffness": 100.0, "a.rest_length": 1.0},

@@ -137,3 +137,25 @@ def test_round_trip_of_edited_dict(tmp_path):
     s = load_structure(_write(tmp_path, d, "a.yaml"))
     dump_structure(s, tmp_path / "b.yaml")
     assert structure_to_dict(load_structure(tmp_path / "b.yaml")) == structure_to_dict(s)
+
+
+def test_bar_mass_std_in_kg_or_percent_round_trips(tmp_path):
+    """A bar's ``mass_std`` (issue 17 item 4): kg, or a percentage of its mass; held and written back in kg."""
+    d = _base()
+    d["bars"][0]["mass_std"] = "2%"
+    d["bars"][1]["mass_std"] = 0.005
+    s = load_structure(_write(tmp_path, d, "w.yaml"))
+    assert s.bars[0].mass_std == pytest.approx(0.02) and s.bars[1].mass_std == pytest.approx(0.005)
+    dump_structure(s, tmp_path / "back.yaml")
+    back = load_structure(tmp_path / "back.yaml")
+    assert [b.mass_std for b in back.bars] == pytest.approx([0.02, 0.005])
+    assert load_structure(_write(tmp_path, _base(), "plain.yaml")).bars[0].mass_std is None
+    assert "mass_std" not in (tmp_path / "plain.yaml").read_text()
+
+
+@pytest.mark.parametrize("value", ["two", "x%", 0, -0.01, "0%", True, [0.01], float("inf")])
+def test_bad_bar_mass_std_names_file_key_and_value(tmp_path, value):
+    d = _base()
+    d["bars"][1]["mass_std"] = value
+    err = _error(tmp_path, d)
+    assert err.key == "bars[1].mass_std" and "kg" in str(err) and "%" in str(err)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -71,7 +72,11 @@ def test_plate_controller_roundtrip(rclpy_context, ros_executor, make_node, sett
     try:
         probe = make_node(unique_name("probe"))
         plans, diags = [], []
-        probe.create_subscription(JointState, C.TOPICS["motor_plan"], plans.append, 10)
+        # the plan as JointState fields (name, K x A positions row-major), whichever type the node publishes
+        as_rows = (lambda m: SimpleNamespace(name=list(m.joint_names), position=[v for p in m.points
+                                                                                 for v in p.positions])) \
+            if node._plan_cls.__name__ == "JointTrajectory" else (lambda m: m)
+        probe.create_subscription(node._plan_cls, C.TOPICS["motor_plan"], lambda m: plans.append(as_rows(m)), 10)
         probe.create_subscription(DiagnosticArray, C.TOPICS["diagnostics"], diags.append, C.DIAG_QOS)
         pub_n = probe.create_publisher(NodeStates, C.TOPICS["node_states"], C.STREAM_QOS)
         pub_m = probe.create_publisher(JointState, C.TOPICS["motor_states"], C.STREAM_QOS)

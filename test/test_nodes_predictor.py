@@ -277,11 +277,22 @@ def test_predictor_node_roundtrip(rclpy_context, ros_executor, make_node, twin_r
         probe.create_subscription(PredictedStates, C.TOPICS["predicted_states"], preds.append, C.PREDICTION_QOS)
         pub_n = probe.create_publisher(NodeStates, C.TOPICS["node_states"], C.STREAM_QOS)
         pub_m = probe.create_publisher(JointState, C.TOPICS["motor_states"], C.STREAM_QOS)
-        pub_p = probe.create_publisher(JointState, C.TOPICS["motor_plan"], 10)
+        plan_cls = JointState
+        if node._plan_type == "JointTrajectory":
+            from trajectory_msgs.msg import JointTrajectory as plan_cls
+        pub_p = probe.create_publisher(plan_cls, C.TOPICS["motor_plan"], 10)
         assert spin_until(ros_executor, lambda: probe.count_subscribers(C.TOPICS["node_states"]) >= 1, timeout=5)
         T0 = 50.0                                                        # stamps: twin time + T0
         plan_t = np.arange(0.0, 4.0, 0.01)
-        plan = JointState(name=["m1", "m2"], position=u_fn(plan_t).reshape(-1).tolist())
+        if plan_cls is JointState:
+            plan = JointState(name=["m1", "m2"], position=u_fn(plan_t).reshape(-1).tolist())
+        else:
+            from builtin_interfaces.msg import Duration
+            from trajectory_msgs.msg import JointTrajectoryPoint
+
+            plan = plan_cls(joint_names=["m1", "m2"], points=[JointTrajectoryPoint(
+                positions=[float(v) for v in u], time_from_start=Duration(sec=int(t), nanosec=int(round((t % 1) * 1e9))))
+                for t, u in zip(plan_t, u_fn(plan_t))])
         plan.header.stamp = C.sec_to_stamp(T0)
         pub_p.publish(plan)
         names = s.node_names

@@ -46,7 +46,7 @@ def recording():
 
 
 def test_updates_with_the_shipped_config_converge_on_the_stiffnesses(recording):
-    from tensegrity_ros.nodes.online_identifier import Candidate, accept_config, decide, fit_window, update_options
+    from tensegrity_ros.ident.online import Candidate, accept_config, decide, fit_window, update_options
 
     nominal, true, ds = recording
     p = _node_parameters()
@@ -67,26 +67,26 @@ def test_updates_with_the_shipped_config_converge_on_the_stiffnesses(recording):
         out = fit_window(nominal, ds.times[sel], ds.positions[sel], ds.valid[sel], ds.motor_angles[sel], active,
                          stages, options, p["holdout_s"], p["holdout_window_s"], p["holdout_windows"],
                          accept_config(p))
-        assert out["ok"], out["error"]
-        assert len(out["holdout_mse"]) >= 3                    # scored on data the fit did not see
+        assert out.ok, out.error
+        assert len(out.holdout_mse) >= 3                       # scored on data the fit did not see
         # the node's acceptance test: better on the held-out windows by a margin the data support
-        cand = Candidate(out["values"], out["std_devs"], residual_m=out["residual_m"],
-                         holdout_mse=out["holdout_mse"], active_holdout_mse=out["active_holdout_mse"])
+        cand = Candidate(out.values, out.std_devs, residual_m=out.residual_m,
+                         holdout_mse=out.holdout_mse, active_holdout_mse=out.active_holdout_mse)
         if decide(cand, nominal_values, [], accept_config(p)).accept:
-            active = {**active, **out["values"]}
+            active = {**active, **out.values}
             accepted += 1
         errors.append(k_err(active))
     print("stiffness median error per update:", " ".join(f"{e:.1%}" for e in errors))
     assert errors[0] > 0.10                                    # the nominal is ~15 % off
     assert errors[-1] < 0.03                                   # measured: 14.8 % -> 0.4 % in 4 updates
-    assert out["residual_m"] < 1.5e-3                           # the 3-D noise is 0.52 mm
+    assert out.residual_m < 1.5e-3                           # the 3-D noise is 0.52 mm
 
 
 def test_a_candidate_made_worse_on_purpose_is_rejected_and_a_better_one_accepted(recording):
     """Held-out scoring: the truth is the active set; the truth with its stiffnesses 5 % off (alternately up and
     down) is a candidate made worse on purpose and must be refused; the other way round it must be accepted."""
     from tensegrity_ros.ident import make_dataset
-    from tensegrity_ros.nodes.online_identifier import Candidate, accept_config, decide, held_out_mse, update_options
+    from tensegrity_ros.ident.online import Candidate, accept_config, decide, held_out_mse, update_options
 
     nominal, true, ds = recording
     p = _node_parameters()

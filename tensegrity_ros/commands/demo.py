@@ -35,8 +35,11 @@ from ..health import EXIT_DEGRADED, format_value
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the niceness the demo asks for: the simulated robot (twin, emulated bus, driver: what a real robot does in
-#: hardware) above the graph's callbacks, both above the compute workers (5) and anything else on the machine
-ROBOT_NICE, GRAPH_NICE = -10, -5
+#: hardware) and the graph's callbacks at one level, above the predictor's relinearisation worker (-5,
+#: config/nodes/state_predictor.yaml) and the identifier's (5) and anything else on the machine. With the graph
+#: at -5, level with the predictor's worker, each 1-s relinearisation burst competed with the per-message
+#: predictions: HEALTHY in 5 of 11 `make demo` runs, failing on latency p99 (20.9-24.1 ms); at -10, 3 of 3
+ROBOT_NICE, GRAPH_NICE = -10, -10
 #: written into --out, so that the next `make demo` may replace the folder without --force
 MARKER = ".tensegrity-demo-output"
 
@@ -53,7 +56,7 @@ def add_arguments(parser) -> None:
                         help="replace a non-empty --out that is not an earlier demo's output (default: refuse)")
     parser.add_argument("--no-priority", dest="priority", action="store_false",
                         help="do not raise the simulated robot's and the graph's priority (default: niceness "
-                             f"{ROBOT_NICE} and {GRAPH_NICE}; the compute workers run at 5; needs root, "
+                             f"{ROBOT_NICE} and {GRAPH_NICE}; the predictor's worker runs at -5, the identifier's at 5; needs root, "
                              "CAP_SYS_NICE or `ulimit -e`, else the run goes on and says so)")
     parser.add_argument("--model", default=str(ROOT / "config" / "models" / "stacked_manipulator.yaml"),
                         help="nominal structure YAML")
@@ -64,9 +67,17 @@ def add_arguments(parser) -> None:
                         help="spread of the true robot's stiffnesses and dampings around the nominal (default 0.2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the true robot's perturbation")
     parser.add_argument("--no-bag", action="store_true", help="do not record the MCAP bag")
+    parser.add_argument("--controller", action="store_true",
+                        help="close the loop (tensegrity_ros/commands/demo_control.py): --duration s of identification "
+                             "on the sinusoids, then the plate_controller tracks a circle + tilt step with the "
+                             "identified model and, paired, with the nominal one; summary.json gains a control block")
     parser.add_argument("--one-process", dest="robot_process", action="store_false",
                         help="run the simulated robot (twin, emulated bus, driver) in the graph's own process "
                              "too (default: a child process, like a real robot's separate driver)")
+    parser.add_argument("--predictor-process", action="store_true",
+                        help="run the state predictor in a process of its own, as `ros2 launch` does (default: "
+                             "in the graph's process: on 2 cores the extra process costs CPU that the identifier "
+                             "needs; HEALTHY in 5 of 12 runs, docs/nodes.md)")
 
 
 # =====================================================================================================
@@ -139,7 +150,9 @@ def _status(graph, truth, est_names, t0_ros, elapsed, nominal_err) -> Tuple[str,
     # only the ground truth these predictions can be scored on (from the first one's stamp): stacking the whole
     # run's truth every second grew with the run (quadratic) and took a tenth of the graph process by 45 s
     since = preds[0].stamp - 0.1 if preds else math.inf
-    gt = list(itertools.takewhile(lambda g: g[0] >= since, reversed(mon.ground_truth)))[::-1]
+    # list() first: the executor thread appends while this runs, and a deque iterated from Python across
+    # that ("deque mutated during iteration") ended a demo with a traceback; list() copies it at once
+    gt = list(itertools.takewhile(lambda g: g[0] >= since, reversed(list(mon.ground_truth))))[::-1]
     pe = math.nan
     if preds and len(gt) > 10:
         t = np.array([g[0] for g in gt])
@@ -148,11 +161,10 @@ def _status(graph, truth, est_names, t0_ros, elapsed, nominal_err) -> Tuple[str,
         pe = float(np.median(rms) * 1e3) if rms.size else math.nan
     drv = graph.robot_stats()["driver"]
     ing = nodes["mocap_ingest"]
-    pr = nodes["state_predictor"]
     idn = nodes["online_identifier"]
     motor_hz = drv.get("loop_rate_hz", math.nan)
     vals = {"t": elapsed, "param_err": perr, "pred_err": pe, "mocap_hz": ing.rate.rate(), "motor_hz": motor_hz,
-            "lat_p50": _pct(pr.latency, 50), "accepted": idn.stats["accepted"], "rejected": idn.stats["rejected"]}
+            "lat_p50": graph.predictor_latency_recent_ms(), "accepted": idn.stats["accepted"], "rejected": idn.stats["rejected"]}
     text = (f"t={elapsed:5.1f}s | params: median error {perr:5.1f}% vs true ({kinds}; nominal {nominal_err:.1f}%), "
             f"{idn.stats['accepted']} sets accepted, {idn.stats['rejected']} rejected | 1-s prediction error "
             f"{pe:6.2f} mm | mocap {vals['mocap_hz']:5.1f} Hz, motors {motor_hz:5.1f} Hz, "
@@ -166,11 +178,11 @@ def _by_kind(errs) -> dict:
     return {k: float(np.median([v for n, v in errs.items() if n.endswith("." + k)])) for k in kinds}
 
 
-def run(args) -> int:
-    from ..bringup import GraphConfig, build_graph, drain, stop_sources
-    from ..nodes._common import TOPICS
-    from ..engine import params_from_structure
+def checked_inputs(args, what: str = "demo"):
+    """Validate the demo's arguments before anything starts (exit 2 through UserError): returns the nominal
+    structure, the output folder and whether it may be replaced. ``tensegrity demo --controller`` shares it."""
     from ..model import StructureError, load_structure
+    from ._common import check_output_target
 
     if not (0 < args.duration <= 3600):
         raise UserError(f"--duration = {args.duration}: must be in (0, 3600] s")
@@ -184,21 +196,42 @@ def run(args) -> int:
     except StructureError as e:
         raise UserError(str(e)) from e
     if not nominal.actuators:
-        raise UserError(f"{args.model}: the demo needs an actuated structure (no actuators)")
-    from ._common import atomic_output, check_output_target
-
+        raise UserError(f"{args.model}: the {what} needs an actuated structure (no actuators)")
     previous_demo = (Path(args.out) / MARKER).is_file()
     force = args.force or previous_demo
     out = check_output_target(args.out, "--out", force=force, kind="dir")
+    return nominal, out, force
 
-    topics_every = {"/tensegrity/predicted_states": 12}
-    cfg = GraphConfig(model_file=args.model, reference_file=args.reference, perturb_fraction=args.perturb,
-                      overrides={"sim_robot": {"perturb_seed": int(args.seed)}}, robot_process=args.robot_process,
-                      record_topics=None if args.no_bag else ["*"], record_every=topics_every,
-                      keep_predictions_every=6, robot_nice=ROBOT_NICE if args.priority else None,
-                      # the plate poses follow from the node states (same callback): 240 callbacks/s less
-                      monitor_skip=(TOPICS["plate_c1"], TOPICS["plate_c2"]),
-                      graph_nice=GRAPH_NICE if args.priority else None)
+
+def graph_config(args, **fields):
+    """The demo's GraphConfig from its arguments (``fields`` on top: nodes, overrides, ...)."""
+    from ..bringup import GraphConfig
+    from ..nodes._common import TOPICS
+
+    values = dict(model_file=args.model, reference_file=args.reference, perturb_fraction=args.perturb,
+                  overrides={"sim_robot": {"perturb_seed": int(args.seed)}}, robot_process=args.robot_process,
+                  predictor_process=args.predictor_process,
+                  record_topics=None if args.no_bag else ["*"],
+                  record_every={"/tensegrity/predicted_states": 12},
+                  keep_predictions_every=6, robot_nice=ROBOT_NICE if args.priority else None,
+                  # the plate poses follow from the node states (same callback): 240 callbacks/s less
+                  monitor_skip=(TOPICS["plate_c1"], TOPICS["plate_c2"]),
+                  graph_nice=GRAPH_NICE if args.priority else None)
+    values.update(fields)
+    return GraphConfig(**values)
+
+
+def run(args) -> int:
+    if getattr(args, "controller", False):
+        from .demo_control import run as run_controller
+
+        return run_controller(args)
+    from ..bringup import build_graph, drain, stop_sources
+    from ..engine import params_from_structure
+    from ._common import atomic_output
+
+    nominal, out, force = checked_inputs(args)
+    cfg = graph_config(args)
     import signal
 
     def _on_signal(signum, frame):    # SIGTERM ends the run like Ctrl-C: the graph is shut down, torque off
@@ -217,19 +250,16 @@ def run(args) -> int:
         nominal_err = float(np.median(list(parameter_errors(nom, truth, est_names).values())))
         graph.spin_in_background()
         t0 = time.monotonic()
-        t0_ros = graph.nodes["state_predictor"].now_s()
+        t0_ros = graph.nodes["online_identifier"].now_s()
         history = []
         while True:
             elapsed = time.monotonic() - t0
             if elapsed >= args.duration:
                 break
             time.sleep(min(1.0, args.duration - elapsed))
-            for node in graph.nodes.values():
-                if getattr(node, "fault", None) is not None:
-                    raise UserError(f"{node.get_name()} stopped: {node.fault}")
-            faults = graph.robot_stats()["faults"]
+            faults = graph.faults()
             if faults:
-                raise UserError(f"the simulated robot stopped: {faults}")
+                raise UserError(f"stopped: {faults}")
             text, vals = _status(graph, truth, est_names, t0_ros, time.monotonic() - t0, nominal_err)
             history.append(vals)
             progress.line(text)
@@ -276,7 +306,7 @@ def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_
     half = stamps >= (stamps[0] + stamps[-1]) / 2 if stamps.size else np.zeros(0, bool)
     robot = graph.robot_stats()
     drv, sim = robot["driver"], robot["sim"]
-    pr, idn, ing = nodes["state_predictor"], nodes["online_identifier"], nodes["mocap_ingest"]
+    pr, idn, ing = graph.predictor(), nodes["online_identifier"], nodes["mocap_ingest"]
     queue_drops = graph.drops()
     accepted = [p for p in mon.parameter_sets if p.set_id != "nominal"]
     first_ok = (accepted[0].stamp - t0_ros) if accepted else None
@@ -289,8 +319,8 @@ def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_
     deliv = delivery(graph, duration)
     health = graph_health(graph, duration, {"accepted_worse_than_previous": worse}, sections=("graph", "demo"))
     realized, recent = pr.realized.whole_run(), pr.realized.per_step()
-    k_1s = min(int(round(1.0 / pr.core.dt)), realized.size) - 1
-    k_01, k_05 = int(round(0.1 / pr.core.dt)), int(round(0.5 / pr.core.dt))
+    k_1s = min(int(round(1.0 / pr.dt)), realized.size) - 1
+    k_01, k_05 = int(round(0.1 / pr.dt)), int(round(0.5 / pr.dt))
     return {
         "health": health.as_dict(),
         "delivery": deliv,
@@ -315,10 +345,10 @@ def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_
         "prediction_rmse_mm_second_half": float(np.sqrt(np.mean(rms[half] ** 2)) * 1e3) if half.any() else math.nan,
         "prediction_error_at_1s_mm": float(np.sqrt(np.mean(end ** 2)) * 1e3) if end.size else math.nan,
         "predictions_scored": int(rms.size),
-        "predictions_published": int(pr.pub.count),
-        "predictions_skipped_uncovered": int(pr.skipped_uncovered),
-        "predictions_extended": int(pr.stream.extended),
-        "predictions_capped": int(pr.core.capped),    # correction held at its bound (far-off linearisation)
+        "predictions_published": pr.published,
+        "predictions_skipped_uncovered": pr.skipped_uncovered,
+        "predictions_extended": pr.extended,
+        "predictions_capped": pr.capped,    # correction held at its bound (far-off linearisation)
         # the predictor's own score (no truth): each scored prediction against the node states that came later
         # whole run, and the last ~10 s (the predictor's memory): what a controller sees at the end
         "prediction_realized_error_mm": {"at_0.1s": _mm(realized, k_01), "at_0.5s": _mm(realized, k_05),
@@ -339,6 +369,7 @@ def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_
                   "driver_missed_cycles": drv.get("missed_cycles"), "sim_realtime_factor": sim.get("realtime_factor"),
                   "ingest_ms_p50": _pct(ing.proc_time, 50), "ingest_ms_p99": _pct(ing.proc_time, 99)},
         "robot_process": graph.robot is not None,
+        "predictor_process": graph.predictor_proc is not None,
         "progress": history,
     }
 

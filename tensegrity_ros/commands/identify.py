@@ -22,13 +22,21 @@ from ._common import (add_force_argument, atomic_output, check_output_target, fi
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("bag", help="rosbag2 directory (MCAP or sqlite3)")
+    parser.add_argument("bag", nargs="+",
+                        help="rosbag2 directory (MCAP or sqlite3); several: recordings of the same robot, fitted "
+                             "jointly with one parameter set (each bag keeps its own time base, mocap registration "
+                             "and labelling; each one's residual is reported)")
     parser.add_argument("--model", required=True, help="structure file (YAML) of the recorded robot")
     parser.add_argument("--out", required=True,
                         help="where to write the identified structure file (YAML); missing folders are created; an "
                              "existing non-empty file is refused unless --force")
     parser.add_argument("--report", help="folder for plots, a parameter table and summary.json (default: no report); "
                                          "an existing non-empty folder is refused unless --force")
+    parser.add_argument("--truth", default="auto",
+                        help="structure file holding the TRUE parameters of the recorded robot (a simulation's "
+                             "true_model.yaml or truth.yaml): the report then gives each parameter's error and "
+                             "whether the truth lies inside +-2 sigma. auto (default): a true_model.yaml or truth.yaml "
+                             "beside the bag folder(s), when every bag has one and they agree; none: no truth")
     add_force_argument(parser)
     parser.add_argument("--motor-topic", default="/tensegrity/motor_states")
     parser.add_argument("--markers-topic", default="/mocap/markers")
@@ -63,7 +71,8 @@ def add_arguments(parser) -> None:
                         help="the model file's uncertainty: Gaussian prior of stage 2 around it, per kind "
                              "(relative, as a fraction or in %%, e.g. mass=2%% for weighed bars; rest_length in m); "
                              "a mass prior sets the overall scale (absolute values with their std), no mass prior "
-                             "holds the nominal total mass fixed (ratios reported); 'none' = no prior")
+                             "holds the nominal total mass fixed (ratios reported); 'none' = no prior. A bar's "
+                             "mass_std in the structure file (kg, or %% of its mass) replaces mass= for that bar")
     parser.add_argument("--holdout", type=float, default=0.1,
                         help="fraction of the recording set aside, in 0.2-s windows spread over it, to check at the "
                              "end that the fit predicts better than the nominal model (0: no check)")
@@ -101,40 +110,62 @@ def run(args) -> int:
     holdout = finite("--holdout", args.holdout, lo=0, hi=0.5, hint="a fraction of the recording, e.g. 0.1; 0: no check")
     _device(args.device)
     structure = load_model(args.model)
+    truth_file = _truth_file(args.truth, args.bag) if args.report else None        # only the report uses it
+    truth = _truth(truth_file, structure, strict=args.truth.strip().lower() != "auto") if truth_file else None
     guess = invert_transform(load_mocap_frame(args.mocap_frame).matrix)  # labeller wants mocap -> structure
     out = check_output_target(args.out, "--out", args.force, kind="file")
     report = None
     if args.report:
         report = check_output_target(args.report, "--report", args.force, kind="dir",
-                                     inputs=(args.bag, args.model, args.mocap_frame))
+                                     inputs=(*args.bag, args.model, args.mocap_frame))
         if report == out or report in out.parents:
             raise UserError(f"--out {args.out}: inside the --report folder {args.report}, which is written as a "
                             "whole; write the structure file beside it")
     topics = TopicNames(motor_states=args.motor_topic, markers=args.markers_topic,
                         motor_commands=args.commands_topic)
-    try:
-        rec = read_robot_bag(args.bag, topics, required_actuators=[a.name for a in structure.actuators] or None)
-    except BagError as err:
-        raise UserError(str(err)) from err
-    print(f"bag {args.bag}: {len(rec.marker_times)} mocap frames, {len(rec.motor_times)} motor samples, "
-          f"{rec.duration_s:.1f} s")
+    bags = list(args.bag)
+    _check_bags(bags)
+    several = len(bags) > 1
+    # ---- each bag: read, then markers -> labelled node states (the live node's code path) ---------------
+    # every bag keeps its own time base, its own registration of the mocap frame and its own labelling; the
+    # parameters are one set for all of them
+    recs, datasets = [], []
+    for k, bag in enumerate(bags):
+        where = f" (bag {k + 1} of {len(bags)}; every bag must record the robot of --model: identify other robots " \
+                "separately, or leave this bag out)" if several else ""
+        try:
+            rec = read_robot_bag(bag, topics, required_actuators=[a.name for a in structure.actuators] or None)
+        except BagError as err:
+            raise UserError(f"{err}{where}") from err
+        print(f"bag {bag}: {len(rec.marker_times)} mocap frames, {len(rec.motor_times)} motor samples, "
+              f"{rec.duration_s:.1f} s")
+        config = IngestConfig(labeller=LabellerConfig(initial_transform=guess))
+        t0 = time.perf_counter()
+        try:
+            with progress_bar(len(rec.markers), "labelling markers") as bar:
+                series = ingest_markers(structure, rec.marker_times, _tick(rec.markers, bar), config)
+        except MocapError as err:
+            raise UserError(f"{bag}: topic {topics.markers}: the markers never match the structure "
+                            f"'{structure.name}': {err}{where}") from err
+        n_valid = int(series.valid.sum())
+        if n_valid == 0:
+            raise UserError(f"{bag}: topic {topics.markers}: no marker frame matched the structure "
+                            f"'{structure.name}' (check --model and --mocap-frame){where}")
+        print(f"labelled {series.valid.mean():.1%} of node samples in {time.perf_counter() - t0:.1f} s")
+        recs.append(rec)
+        datasets.append(_dataset(structure, series, rec, name=str(bag) if several else None))
+    if several:
+        print(f"fitting one parameter set to {len(bags)} recordings ({sum(r.duration_s for r in recs):.1f} s in "
+              f"all; --windows {args.windows} and --longer-windows count windows over all of them)")
 
-    # ---- markers -> labelled node states (the live node's code path) --------------------------------
-    config = IngestConfig(labeller=LabellerConfig(initial_transform=guess))
-    t0 = time.perf_counter()
-    try:
-        with progress_bar(len(rec.markers), "labelling markers") as bar:
-            series = ingest_markers(structure, rec.marker_times, _tick(rec.markers, bar), config)
-    except MocapError as err:
-        raise UserError(f"{args.bag}: topic {topics.markers}: the markers never match the structure "
-                        f"'{structure.name}': {err}") from err
-    n_valid = int(series.valid.sum())
-    if n_valid == 0:
-        raise UserError(f"{args.bag}: topic {topics.markers}: no marker frame matched the structure "
-                        f"'{structure.name}' (check --model and --mocap-frame)")
-    print(f"labelled {series.valid.mean():.1%} of node samples in {time.perf_counter() - t0:.1f} s")
-
-    dataset = _dataset(structure, series, rec)
+    weighed = [b for b in structure.bars if b.mass_std is not None]
+    if weighed:
+        rest = (f"the other {len(structure.bars) - len(weighed)}: --prior-std mass="
+                f"{prior_std['mass']:g}" if "mass" in prior_std else "the others: no mass prior") \
+            if len(weighed) < len(structure.bars) else "all bars"
+        print(f"mass prior from {args.model}: mass_std of {len(weighed)} bar(s) ("
+              + ", ".join(f"{b.name} {b.mass_std * 1e3:.3g} g" for b in weighed[:6])
+              + (", ..." if len(weighed) > 6 else "") + f"); {rest}")
     options = IdentifyOptions(estimate=estimate, refine_kinds=refine_kinds,
                               estimate_delay=args.estimate_delay, max_iter=args.max_iter, max_time_s=max_time,
                               window_s=window, max_windows=args.windows, noise_std_m=noise_mm * 1e-3,
@@ -148,6 +179,9 @@ def run(args) -> int:
             # returns None on purpose: a callback returning True stops stage 2, and tqdm's update() returns
             # True whenever it redraws (which stopped runs after ~2 iterations). One tick per LM iteration: the
             # callback also reports each run's starting point (iteration 0) and every chord step.
+            if info.get("event") == "start":          # a step after the fit: say what runs now
+                (bar.write if hasattr(bar, "write") else print)(f"{info.get('what', info['stage'])} ...")
+                return
             if info.get("stage") == "regression":
                 return
             it = info.get("iteration")
@@ -155,20 +189,24 @@ def run(args) -> int:
                 bar.update(1)
             last["iteration"] = it
 
-        result = identify(structure, dataset, stages=stages, options=options, callback=tick)
+        result = identify(structure, datasets if several else datasets[0], stages=stages, options=options,
+                          callback=tick)
+    source = ", ".join(bags)
     if not result.ok:
-        raise UserError(f"{args.bag}: identification failed: {result.error}")
+        raise UserError(f"{source}: identification failed: {result.error}")
     print(result.summary())
 
-    identified = _checked(apply_to_structure(structure, result.params, result.std_devs), args.bag)
-    header = (f"Identified by `tensegrity identify` from {args.bag} ({rec.duration_s:.1f} s); "
+    identified = _checked(apply_to_structure(structure, result.params, result.std_devs), source)
+    duration = " + ".join(f"{r.duration_s:.1f}" for r in recs)
+    header = (f"Identified by `tensegrity identify` from {source} ({duration} s); "
               f"residual RMS {result.residual_rms_m * 1e3:.2f} mm; converged={result.converged}; "
               f"{result.model_mismatch.status if result.model_mismatch is not None else 'model_not_checked'}.\n"
               f"Values are in place; std_devs holds their standard deviations.")
     with ExitStack() as outputs:                    # both appear at the end, or neither does
         out_tmp = outputs.enter_context(atomic_output(out, "file", args.force, "--out"))
         rep_tmp = outputs.enter_context(atomic_output(report, "dir", args.force, "--report")) if report else None
-        rms_mm = _write_report(rep_tmp, structure, identified, series, rec, dataset, result) if report else None
+        rms_mm = _write_report(rep_tmp, structure, identified, recs, datasets, result, prior_std=prior_std,
+                               truth=truth) if report else None
         dump_structure(identified, out_tmp, header=header)
     if report:
         print(f"report: {args.report} (1-s prediction RMS {rms_mm:.1f} mm)")
@@ -297,7 +335,67 @@ def _device(text: str) -> None:
     raise UserError(f"--device {text!r}: expected cpu, cuda, cuda:N or auto")
 
 
-def _dataset(structure, series, rec):
+def _truth_file(flag: str, bags):
+    """The --truth file: a path, ``none``, or ``auto`` (a true_model.yaml / truth.yaml beside every bag, the same
+    file content for all of them; otherwise no truth)."""
+    if flag.strip().lower() == "none":
+        return None
+    if flag.strip().lower() != "auto":
+        if not Path(flag).is_file():
+            raise UserError(f"--truth {flag}: no such file; pass the true robot's structure file (a simulation's "
+                            "true_model.yaml), or none")
+        return Path(flag)
+    found = []
+    for bag in bags:
+        parent = Path(bag).absolute().parent
+        cand = [parent / n for n in ("true_model.yaml", "truth.yaml") if (parent / n).is_file()]
+        if not cand:
+            return None
+        found.append(cand[0])
+    texts = {f.read_bytes() for f in found}
+    return found[0] if len(texts) == 1 else None
+
+
+def _truth(path: Path, structure, strict: bool = True):
+    """{name: true value} from the structure file ``path``; it must describe the same elements as --model (else
+    exit 2 when given with --truth; found by ``auto``: a note, and no truth)."""
+    from ..engine import params_from_structure
+    from ..model import StructureError, load_structure
+
+    try:
+        true = load_structure(path)
+        values = {n: float(v) for n, v in params_from_structure(true).named().items()}
+        names = list(params_from_structure(structure).named())
+        if list(values) != names:
+            odd = sorted(set(values) ^ set(names))[:4]
+            raise UserError(f"--truth {path}: not the structure of --model (parameters differ, e.g. "
+                            f"{', '.join(odd)}); pass the true model of this robot, or --truth none")
+    except (StructureError, UserError) as err:
+        if strict:
+            raise UserError(f"--truth: {err}" if isinstance(err, StructureError) else str(err)) from err
+        print(f"truth: {path} beside the bag is not used ({err})")
+        return None
+    print(f"truth: {path} (the report gives each parameter's error; --truth none to leave it out)")
+    return values
+
+
+def _check_bags(bags) -> None:
+    """Several bags: each given once and each there, before any is read (a typo fails before minutes of work)."""
+    if len(bags) < 2:
+        return                      # one bag: read_robot_bag's own errors, as always
+    seen = {}
+    for k, bag in enumerate(bags):
+        key = Path(bag).resolve()
+        if key in seen:
+            raise UserError(f"{bag}: given twice (bags {seen[key] + 1} and {k + 1}); give each recording once")
+        seen[key] = k
+    for k, bag in enumerate(bags):
+        if not Path(bag).exists():
+            raise UserError(f"{bag}: no such bag (bag {k + 1} of {len(bags)}: expected a rosbag2 directory with "
+                            "metadata.yaml); check the path, or leave it out")
+
+
+def _dataset(structure, series, rec, name=None):
     """Node states on structure node order (virtual nodes left invalid) with motor angles at mocap stamps."""
     from ..ident import make_dataset
 
@@ -315,34 +413,120 @@ def _dataset(structure, series, rec):
         order = [rec.motor_names.index(a.name) for a in structure.actuators]
         angles = np.stack([np.interp(series.t[keep], rec.motor_times, rec.motor_angles[:, j]) for j in order], axis=1)
     return make_dataset(series.t[keep], positions[keep], valid[keep], angles, node_names=structure.node_names,
-                        actuator_names=tuple(a.name for a in structure.actuators), name=Path(rec.path).name)
+                        actuator_names=tuple(a.name for a in structure.actuators),
+                        name=name or Path(rec.path).name)
 
 
-def _write_report(tmp: Path, structure, identified, series, rec, dataset, result) -> float:
-    """Plots, parameter table and summary.json into the (temporary, see atomic_output) folder ``tmp``; returns
-    the 1-s prediction RMS error [mm]."""
-    from ..report import parameter_table, plate_motion, plot_convergence, plot_plate_motion, plot_residuals
+def _write_report(*args, **kwargs) -> float:
+    """:func:`_report` with torch on one thread, as identification runs: its small batched rollouts ran 6.7x slower
+    on two threads (5.4 s against 0.8 s for a 6-s bag) and took 205 s when another process held the second core
+    (measured on this project's 2-core machine)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _report(*args, **kwargs)
+    finally:
+        torch.set_num_threads(old)
+
+
+def _report(tmp: Path, structure, identified, recs, datasets, result, *, prior_std=None, truth=None,
+            say=print) -> float:
+    """Plots, parameter tables and summary.json into the (temporary, see atomic_output) folder ``tmp``; returns
+    the 1-s prediction RMS error [mm] over all recordings. ``truth``: {name: true value} or None; ``say`` gets one
+    line per step (the report takes a while on long recordings: a person sees where it is)."""
+    from ..engine import params_from_structure
+    from ..engine.params import UNITS
+    from ..ident.heldout import prior_std_of
+    from ..ident.pipeline import structure_prior_std
+    from ..report import (parameter_rows, plate_motion, plot_convergence, plot_plate_motion, plot_residuals,
+                          rows_csv, rows_markdown, rows_text)
     from ..report.prediction import horizon_prediction
 
-    pred = horizon_prediction(identified, dataset, horizon_s=1.0)
-    measured = plate_motion(structure.node_names, dataset.positions)
-    predicted = plate_motion(structure.node_names, pred)
-    plot_plate_motion(dataset.times, {"measured": (dataset.times, measured), "predicted": (dataset.times, predicted)},
-                      tmp / "plates.png", title=f"{structure.name}: measured vs identified model (1-s predictions)")
-    err = np.linalg.norm(pred - dataset.positions, axis=2)
-    err = np.where(dataset.valid & np.isfinite(err), err, np.nan)
-    seen = np.isfinite(err).any(axis=1)
-    per_frame = np.full(len(err), np.nan)
-    per_frame[seen] = np.sqrt(np.nanmean(err[seen] ** 2, axis=1))
-    plot_residuals(dataset.times, 1e3 * per_frame, tmp / "residuals.png", label="1-s prediction node RMS error",
-                   title=" | ".join(verdict_lines(result)))
+    several = len(datasets) > 1
+    steps = len(datasets) + 3
+    step = iter(range(1, steps + 1))
+    names, times, per_frames, errs, per_rec = [], [], [], [], []
+    for k, (rec, dataset) in enumerate(zip(recs, datasets)):
+        t0 = time.perf_counter()
+        label = f"{rec.path}" + (f" (recording {k + 1})" if several else "")
+        say(f"report [{next(step)}/{steps}]: 1-s predictions of {label} ({dataset.duration:.1f} s) ...")
+        pred = horizon_prediction(identified, dataset, horizon_s=1.0)
+        measured = plate_motion(structure.node_names, dataset.positions)
+        predicted = plate_motion(structure.node_names, pred)
+        plot_plate_motion(dataset.times, {"measured": (dataset.times, measured),
+                                          "predicted 1 s ahead": (dataset.times, predicted)},
+                          tmp / (f"plates-{k + 1}.png" if several else "plates.png"), relative_to_start=True,
+                          title=f"{structure.name}, {rec.path if several else Path(rec.path).name}: measured vs the identified model "
+                                "(restarted from the measurement every 1 s)")
+        err = np.linalg.norm(pred - dataset.positions, axis=2)
+        err = np.where(dataset.valid & np.isfinite(err), err, np.nan)
+        seen = np.isfinite(err).any(axis=1)
+        per_frame = np.full(len(err), np.nan)
+        per_frame[seen] = np.sqrt(np.nanmean(err[seen] ** 2, axis=1))
+        names.append(Path(rec.path).name if not several else f"{k + 1}: {rec.path}")
+        times.append(dataset.times)
+        per_frames.append(1e3 * per_frame)
+        errs.append(err[np.isfinite(err)])
+        per_rec.append({"bag": str(rec.path), "duration_s": rec.duration_s,
+                        "prediction_1s_rms_mm": float(1e3 * np.sqrt(np.mean(err[np.isfinite(err)] ** 2)))
+                        if np.isfinite(err).any() else float("nan")})
+        say(f"        {per_rec[-1]['prediction_1s_rms_mm']:.2f} mm RMS ({time.perf_counter() - t0:.1f} s)")
+    say(f"report [{next(step)}/{steps}]: residual and convergence plots ...")
+    verdicts = verdict_lines(result)
+    if several:
+        plot_residuals(times, per_frames, tmp / "residuals.png", label="1-s prediction node RMS error",
+                       title=" | ".join(verdicts), names=names)
+    else:
+        plot_residuals(times[0], per_frames[0], tmp / "residuals.png", label="1-s prediction node RMS error",
+                       title=" | ".join(verdicts))
     plot_convergence([{**h["params"], "loss": h["loss"]} for h in result.history if "params" in h],
-                     tmp / "convergence.png", x_label="loss evaluation")
-    table = parameter_table({n: v for n, v in result.values().items() if n in result.std_devs},
-                            result.std_devs, result.identifiability)
-    (tmp / "parameters.txt").write_text("\n".join(verdict_lines(result)) + "\n\n" + result.summary() + "\n\n" + table
+                     tmp / "convergence.png", x_label="loss evaluation (all stage-2 runs in order)",
+                     truth=truth, title=f"{structure.name}: parameter convergence "
+                                        f"({'against the truth' if truth else 'relative to the final values'})")
+    say(f"report [{next(step)}/{steps}]: parameter tables ...")
+    prior = {n: float(v) for n, v in params_from_structure(structure).named().items()}
+    values = result.values()
+    widths = structure_prior_std(structure, prior_std or {})          # the file's per-bar mass_std included
+    psd = {n: prior_std_of(n, prior.get(n, float("nan")), widths) for n in values}
+    status = {}
+    for n in values:
+        status[n] = ("kept at the prior" if n in result.prior_dominated else "not determined" if n in
+                     result.undetermined else "estimated" if n in result.std_devs else "fixed")
+    rows = parameter_rows(values, result.std_devs, prior=prior,
+                          prior_std={n: v for n, v in psd.items() if v is not None}, truth=truth,
+                          identifiability=result.identifiability, status=status, units=UNITS)
+    (tmp / "parameters.csv").write_text(rows_csv(rows))
+    md = [f"# {structure.name}: identified parameters", "",
+          f"From {', '.join(str(r.path) for r in recs)}. Every parameter of the model: its prior (the structure "
+          "file's value ± 2 prior σ), the identified value ± 2σ (σ: the calibrated standard deviation), how it was "
+          "treated" + (", and its error against the truth." if truth else "."), "",
+          *[f"- {line}" for line in verdicts], ""]
+    if several:
+        md += [f"- {line}" for line in result.recording_lines()] + [""]
+    md.append("")
+    (tmp / "parameters.md").write_text("\n".join(md) + rows_markdown(rows))
+    (tmp / "parameters.txt").write_text("\n".join(verdicts) + "\n\n" + result.summary() + "\n\n" + rows_text(rows)
                                         + "\n")
-    summary = {**result.to_dict(), "bag": str(rec.path), "duration_s": rec.duration_s,
-               "prediction_1s_rms_mm": float(1e3 * np.sqrt(np.nanmean(err ** 2)))}
+    say(f"report [{next(step)}/{steps}]: summary.json")
+    allerr = np.concatenate(errs) if errs else np.array([])
+    summary = {**result.to_dict(), "bag": str(recs[0].path) if not several else [str(r.path) for r in recs],
+               "duration_s": recs[0].duration_s if not several else sum(r.duration_s for r in recs),
+               "prediction_1s_rms_mm": float(1e3 * np.sqrt(np.mean(allerr ** 2))) if allerr.size else float("nan"),
+               "parameters": rows}
+    if several:
+        for r, entry in zip(result.recordings or [{}] * len(per_rec), per_rec):
+            entry.update({k: v for k, v in r.items() if k != "name"})
+        summary["recordings"] = per_rec
+    if truth:
+        summary["truth_inside_2sigma"] = _inside_fraction(rows)
     (tmp / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     return summary["prediction_1s_rms_mm"]
+
+
+def _inside_fraction(rows):
+    """Of the estimated parameters with a truth: how many lie inside their +-2 sigma."""
+    judged = [r["truth_inside_2sigma"] for r in rows if r["status"] == "estimated" and r["truth_inside_2sigma"]
+              is not None]
+    return {"inside": int(sum(judged)), "of": len(judged)}

@@ -20,6 +20,16 @@ the period jitter and the missed cycles.
 
 :func:`check_command_publishers` is the rule the node applies to ``/tensegrity/motor_commands``: topic
 commands are refused while more than one node publishes them.
+
+Motor plans (``/tensegrity/motor_plan``, :mod:`.plan`): :meth:`DriverCore.set_plan` hands one over. A fresh
+plan is followed, through the same safety filter, while the command source is ``plan`` or ``reference`` (a plan
+preempts the reference sinusoids; the switch blends over ``ramp_s``); ``topic`` and ``hold`` are an operator's
+explicit choices and a plan does not override them. A plan older than ``plan_timeout_s`` (or past its last
+point) is stale: the driver HOLDS the last safe goal and says so (``DriverStats.plan_state`` = ``stale``, the
+node's /diagnostics WARN) until a fresh plan arrives or the command source is set again. It does not go back to
+the reference: the reference's clock ran on while the plan was followed, so going back means a motion to a
+distant point of the sinusoids that nobody asked for at the moment a controller failed; holding leaves the robot
+where its last safe command put it, as the topic watchdog does.
 """
 from __future__ import annotations
 
@@ -35,11 +45,12 @@ import numpy as np
 from .dynamixel.bus import DynamixelBus, MotorReading
 from .dynamixel.errors import HardwareError, MotorMissing
 from .dynamixel.tables import decode_hardware_error, get_table
+from .plan import Plan, plan_state
 from .safety import Action, SafetyConfig, SafetyFilter, State
 
 log = logging.getLogger(__name__)
 
-COMMAND_SOURCES = ("reference", "topic", "hold")
+COMMAND_SOURCES = ("reference", "topic", "hold", "plan")
 
 
 # ---- records ----------------------------------------------------------------------------------------
@@ -73,6 +84,10 @@ class DriverStats:
     safety_counters: Dict[str, int] = field(default_factory=dict)
     hardware_errors: Dict[int, int] = field(default_factory=dict)
     last_error: str = ""
+    plan_state: str = "none"          # none | following | stale (holding) | ignored (source topic / hold)
+    plan_reason: str = ""             # why the plan is stale or ignored
+    plans_received: int = 0
+    plans_stale: int = 0              # times a followed plan went stale (each time the motors were held)
 
 
 # ---- fixed-rate scheduler -------------------------------------------------------------------------
@@ -318,7 +333,7 @@ class DriverCore:
                  max_rate_rad_s: float = 1.0, watchdog_s: float = 0.25, ramp_s: float = 1.0,
                  command_source: str = "hold", reference: Optional[ReferenceFn] = None,
                  clock: Callable[[], float] = time.monotonic, operating_mode: str = "position",
-                 emulator: Any = None):
+                 emulator: Any = None, plan_timeout_s: float = 0.25):
         self.bus = bus
         self.actuators = tuple(actuators)
         if not self.actuators:
@@ -348,6 +363,10 @@ class DriverCore:
         self.command_source = command_source
         self._topic_goal: Optional[np.ndarray] = None
         self._topic_stamp: Optional[float] = None
+        if not (math.isfinite(plan_timeout_s) and plan_timeout_s > 0):
+            raise ValueError(f"plan_timeout_s must be > 0, got {plan_timeout_s!r}")
+        self.plan_timeout_s = float(plan_timeout_s)
+        self._plan: Optional[Plan] = None
         self._lock = threading.RLock()
         self._n = len(ids)
         self._pos = np.full(self._n, np.nan)
@@ -423,8 +442,22 @@ class DriverCore:
                 self._ref_t0 = now
             if source == "topic":
                 self._topic_goal, self._topic_stamp = None, None
+            self._plan = None                   # a new source starts clean: the next fresh plan is followed
+            self.stats.plan_state, self.stats.plan_reason = "none", ""
             self.safety.begin_switch(now)
             self.stats.command_source = source
+
+    def set_plan(self, times: Sequence[float], angles, received: Optional[float] = None) -> None:
+        """A controller's plan: ``times`` (K,) s on this core's clock, strictly increasing; ``angles`` (K, A) rad
+        in actuator order, NaN = keep that motor's goal; ``received`` (default now) starts its timeout."""
+        times = np.asarray(times, dtype=float).reshape(-1)
+        angles = np.asarray(angles, dtype=float).reshape(times.size, self._n)
+        if times.size == 0 or not np.all(np.isfinite(times)) or np.any(np.diff(times) <= 0):
+            raise ValueError("plan times must be finite and strictly increasing")
+        received = self.clock() if received is None else float(received)
+        with self._lock:
+            self._plan = Plan(times, angles, received)
+            self.stats.plans_received += 1
 
     def set_reference(self, reference: ReferenceFn, now: Optional[float] = None) -> None:
         with self._lock:
@@ -454,6 +487,14 @@ class DriverCore:
     def _target(self, now: float) -> Tuple[Optional[np.ndarray], Optional[float], bool]:
         """(goals or None = hold, command stamp, check the watchdog). Called with ``_lock`` held."""
         src = self.command_source
+        if src in ("plan", "reference"):
+            if self._plan is not None:
+                return self._plan_target(now)
+            if src == "plan":
+                self.stats.plan_state, self.stats.plan_reason = "none", "no plan yet: holding"
+                return None, None, False
+        elif self._plan is not None:
+            self.stats.plan_state, self.stats.plan_reason = "ignored", f"command source {src}"
         if src == "hold":
             return None, None, False
         if src == "topic":
@@ -466,6 +507,22 @@ class DriverCore:
             log.error("reference generator failed: %s", e)
             return None, None, False
         return g, None, False
+
+    def _plan_target(self, now: float) -> Tuple[Optional[np.ndarray], Optional[float], bool]:
+        """Follow the plan while it is fresh, else hold (see the module docstring). Called with ``_lock`` held."""
+        fresh, why = plan_state(self._plan, now, self.plan_timeout_s)
+        st = self.stats
+        if fresh:
+            if st.plan_state != "following":            # from the reference, a hold or a stale plan: blend in
+                self.safety.begin_switch(now)
+                log.info("following the motor plan")
+            st.plan_state, st.plan_reason = "following", ""
+            return self._plan.at(now), None, False
+        if st.plan_state == "following":
+            st.plans_stale += 1
+            log.warning("motor plan stale (%s): holding the last safe goal", why)
+        st.plan_state, st.plan_reason = "stale", why + ": holding the last safe goal"
+        return None, None, False
 
     # ---- the cycle -------------------------------------------------------------------------------
     def cycle(self, now: Optional[float] = None) -> Tuple[MotorStates, DriverStats]:
@@ -569,3 +626,67 @@ class DriverCore:
             self.shutdown()
         self.stats.missed_cycles = sched.missed
         return self.stats
+
+
+# ---- what the node reports ----------------------------------------------------------------------------------
+_LEVEL_RANK = {"ok": 0, "warn": 1, "error": 2}
+
+
+def driver_diagnostics(stats: DriverStats, check: PublisherCheck, refused_commands: int = 0,
+                       error: Optional[BaseException] = None) -> Tuple[str, str, List[Tuple[str, str]]]:
+    """(level ok|warn|error, message, [(key, value)]) of the driver's /diagnostics status.
+
+    ERROR: stopped (a fault, torque off), or topic commands refused while the source is ``topic``. WARN: hardware
+    error bits, read failures, the safety filter holding, topic commands refused under another source, or a
+    motor plan that went stale (the motors are held; ``plan_reason`` says why).
+    """
+    hw_bad = {i: b for i, b in stats.hardware_errors.items() if b}
+    if error is not None or stats.state == "stopped":
+        level, message = "error", f"stopped: {error or stats.last_error}"
+    elif hw_bad or stats.read_failures or stats.state == "hold":
+        level, message = "warn", f"state {stats.state}, read failures {stats.read_failures}"
+    elif stats.plan_state == "stale":
+        level, message = "warn", f"motor plan stale: {stats.plan_reason}"
+    else:
+        following = " following the motor plan" if stats.plan_state == "following" else ""
+        level, message = "ok", f"running at {stats.loop_rate_hz:.1f} Hz{following}"
+    if not check.accept:
+        lv = "error" if stats.command_source == "topic" else "warn"
+        message = check.reason if level == "ok" else f"{check.reason}; {message}"
+        level = max(level, lv, key=_LEVEL_RANK.__getitem__)
+    kv = [("state", stats.state), ("command_source", stats.command_source),
+          ("loop_rate_hz", f"{stats.loop_rate_hz:.2f}"), ("cycles", str(stats.cycles)),
+          ("missed_cycles", str(stats.missed_cycles)), ("period_median_ms", f"{stats.period_median_s * 1e3:.3f}"),
+          ("period_p99_ms", f"{stats.period_p99_s * 1e3:.3f}"), ("jitter_p99_ms", f"{stats.jitter_p99_s * 1e3:.3f}"),
+          ("topic_commands", "accepted" if check.accept else "refused"),
+          ("command_publishers", ", ".join(check.publishers) or "none"),
+          ("refused_commands", str(refused_commands)),
+          ("plan_state", stats.plan_state), ("plan_reason", stats.plan_reason),
+          ("plans_received", str(stats.plans_received)), ("plans_stale", str(stats.plans_stale))]
+    for i, c in sorted(stats.motor_counters.items()):
+        kv.append((f"motor_{i}", " ".join(f"{k}={v}" for k, v in c.items())))
+    for i, b in sorted(stats.hardware_errors.items()):
+        kv.append((f"motor_{i}_hardware_error", f"0x{b:02X}"))
+    for k, v in stats.safety_counters.items():
+        kv.append((f"safety_{k}", str(v)))
+    if error is not None and getattr(error, "hint", None):
+        kv.append(("hint", error.hint))
+    return level, message, kv
+
+
+def reference_function(path: str, actuators: Sequence) -> ReferenceFn:
+    """t -> goal angles (A,) rad in ``actuators`` order from a reference YAML (NaN = hold for an actuator the
+    reference does not name); the limits are checked over its duration (or 60 s) up front."""
+    from .. import references as R
+
+    ref = R.load_reference(path)
+    names = list(ref.actuator_names) if ref.actuator_names else [a.name for a in actuators]
+    order = [names.index(a.name) if a.name in names else -1 for a in actuators]
+    horizon = ref.duration_s if getattr(ref, "duration_s", None) else 60.0
+    R.motor_angles(ref, actuators, np.linspace(0.0, horizon, 2001))  # limit check up front
+
+    def reference(t: float) -> np.ndarray:
+        u = R.motor_angles(ref, actuators, np.array([t]), check_limits=False)[0]
+        return np.array([u[k] if k >= 0 else np.nan for k in order])
+
+    return reference

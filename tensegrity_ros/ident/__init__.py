@@ -13,6 +13,8 @@
 * :mod:`.heldout` -- held-out windows set aside before the fit; fit vs nominal on them; parameters the data
   cannot move.
 * :mod:`.pipeline` -- :func:`identify`, the single entry point.
+* :mod:`.online` -- the online identifier's core: sliding window, the worker's fit (:func:`~.online.fit_window`),
+  accept / reject (:func:`~.online.decide`) and drift.
 * :mod:`.baselines` -- least squares (L-BFGS-B) and CMA-ES with MuJoCo in the loop, ``mujoco.sysid``.
 
 See docs/identification.md.

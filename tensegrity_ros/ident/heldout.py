@@ -169,9 +169,10 @@ def fitted_start_mse(prob: RefineProblem, params: Params, delay_s: float = 0.0, 
 
 def prior_std_of(name: str, center: float, prior_std: Mapping[str, float]) -> Optional[float]:
     """The prior's standard deviation of parameter ``name`` in its own unit, or None: relative for the
-    log-parametrised kinds (x |centre|), absolute for the others, as the refinement applies it."""
+    log-parametrised kinds (x |centre|), absolute for the others, as the refinement applies it (an entry under
+    the parameter's own name overrides its kind's)."""
     kind = name.rpartition(".")[2]
-    sd = prior_std.get(kind)
+    sd = prior_std.get(name, prior_std.get(kind))
     if sd is None or not sd > 0:
         return None
     return float(sd) * abs(center) if TRANSFORMS.get(kind) == "log" else float(sd)

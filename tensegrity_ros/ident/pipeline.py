@@ -30,7 +30,7 @@ from .mismatch import MismatchOptions, ModelMismatch, check_model
 from .refine import RefineOptions, RefineProblem, RefineResult, refine
 from .regression import SCALE_KINDS, RegressionOptions, RegressionResult, regress
 
-__all__ = ["IdentifyOptions", "IdentificationResult", "identify", "STAGES"]
+__all__ = ["IdentifyOptions", "IdentificationResult", "identify", "STAGES", "structure_prior_std"]
 
 STAGES = ("regression", "refine")
 
@@ -53,8 +53,9 @@ class IdentifyOptions:
     known / ties / total_mass: exactly known values, shared values, the scale anchor (see the stages).
     estimate_delay / delay_s: motor-to-mocap delay (estimated in stage 2; stage 1 uses ``delay_s``).
     noise_std_m: marker noise (None: estimated from the residuals).
-    prior_std / prior_center: stage 2's Gaussian prior, per kind, around ``prior_center`` (default: its
-        starting values; see :class:`RefineOptions`).
+    prior_std / prior_center: stage 2's Gaussian prior, per kind (or per parameter name), around
+        ``prior_center`` (default: its starting values; see :class:`RefineOptions`). A bar's ``mass_std`` in the
+        structure file is that bar's mass prior, in place of ``prior_std["mass"]`` (:func:`structure_prior_std`).
     derivative_method / smooth_window_s: derivative estimates (see :func:`~tensegrity_ros.ident.data.derivatives`).
     window_s / max_windows / sim_dt / optimize_initial_states / max_iter / optimizer / max_time_s:
         the main stage-2 knobs; ``refine`` and ``regression``: any other field of
@@ -207,6 +208,10 @@ class IdentificationResult:
     held_out: Optional[HeldOutCheck] = None
     #: {name: (posterior std, prior std)} of the parameters the data do not move: kept at the prior
     prior_dominated: Dict[str, Tuple[float, float]] = field(default_factory=dict)
+    #: one entry per recording (the datasets in the order given, several fitted jointly): name, windows (of the
+    #: final stage-2 run), observed samples, residual_rms_m (that run's residual on its windows, fitted starts;
+    #: NaN when none of its windows came from this recording); empty without stage 2
+    recordings: List[Dict[str, Any]] = field(default_factory=list)
 
     def values(self) -> Dict[str, float]:
         """name -> identified value (all parameters)."""
@@ -239,7 +244,14 @@ class IdentificationResult:
             lines.append(("  !! " if self.held_out.verdict == "worse" else "  ") + self.held_out.line())
         if self.model_mismatch is not None:
             lines.append(("  !! " if self.model_mismatch.mismatch else "  ") + self.model_mismatch.line())
+        if len(self.recordings) > 1:
+            lines += ["  " + line for line in self.recording_lines()]
         return "\n".join(lines)
+
+    def recording_lines(self) -> List[str]:
+        """One line per recording of a joint fit: its share of the windows and its own residual."""
+        return [f"recording {k + 1} {r['name']}: residual RMS {r['residual_rms_m'] * 1e3:.3f} mm over "
+                f"{r['windows']} window(s), {r['samples']} observed node samples" for k, r in enumerate(self.recordings)]
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready summary (no tensors)."""
@@ -254,7 +266,8 @@ class IdentificationResult:
                 "calibration": dict(self.calibration),
                 "held_out": None if self.held_out is None else self.held_out.to_dict(),
                 "prior_dominated": {n: {"std": sd, "prior_std": p} for n, (sd, p) in self.prior_dominated.items()},
-                "stage_values": [{"window_s": ws, "params": v} for ws, v in self.stage_values]}
+                "stage_values": [{"window_s": ws, "params": v} for ws, v in self.stage_values],
+                "recordings": [dict(r) for r in self.recordings]}
 
 
 @contextmanager
@@ -268,6 +281,25 @@ def _threads(n: Optional[int]):
         yield
     finally:
         torch.set_num_threads(old)
+
+
+def structure_prior_std(structure: Structure, prior_std: Mapping[str, float]) -> Dict[str, float]:
+    """Stage 2's prior widths: ``prior_std`` (per kind or per parameter name) with the structure file's per-element
+    statements added by name, which override the kind's width for that element: a bar's ``mass_std`` (kg) becomes
+    ``{"<bar>.mass": mass_std / mass}`` (masses are log-parametrised: relative). An entry already given by name in
+    ``prior_std`` is kept (the caller's word wins)."""
+    out = dict(prior_std)
+    for b in structure.bars:
+        if b.mass_std is not None and f"{b.name}.mass" not in prior_std:
+            out[f"{b.name}.mass"] = float(b.mass_std) / float(b.mass)
+    return out
+
+
+def _announce(callback, stage: str, what: str) -> None:
+    """Tell the callback a post-fit step starts ({"stage": stage, "event": "start", "what": what}); its return
+    value is ignored (only stage 2's evaluations can be stopped)."""
+    if callback is not None:
+        callback({"stage": stage, "event": "start", "what": what})
 
 
 def _positive(params: Params, prior: Params, notes: List[str]) -> Params:
@@ -324,6 +356,24 @@ def model_check(ref: RefineResult, datasets: Sequence[Dataset], options: Mismatc
                        gn_rss_decrease_m2)
 
 
+def recording_residuals(ref: RefineResult, datasets: Sequence[Dataset]) -> List[Dict[str, Any]]:
+    """Per recording (``datasets`` in order): the stage-2 result's residual on that recording's windows (fitted
+    starts), m, with the window and observed-sample counts; NaN residual when it had no window."""
+    prob = ref.problem
+    with torch.no_grad():
+        r = prob.residuals(ref.w.detach(), None if ref.x0 is None else ref.x0.detach())
+    sq = (r * r).sum(dim=(1, 2, 3)).cpu().numpy()                       # (B,) m^2 per window
+    n = prob.mask.reshape(prob.mask.shape[0], -1).sum(dim=1).cpu().numpy()
+    which = np.array([di for di, _ in prob.window_ids], dtype=int)
+    out = []
+    for k, d in enumerate(datasets):
+        sel = which == k
+        cnt = int(n[sel].sum())
+        out.append({"name": d.name or f"recording {k + 1}", "windows": int(sel.sum()), "samples": cnt,
+                    "residual_rms_m": float(math.sqrt(sq[sel].sum() / cnt)) if cnt else float("nan")})
+    return out
+
+
 def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *,
              stages: Sequence[str] = STAGES, options: IdentifyOptions = IdentifyOptions(),
              prior: Optional[Params] = None, callback: Optional[Callable[[Dict[str, Any]], Any]] = None
@@ -333,7 +383,10 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
     stages: any of ``regression`` (closed-form stage 1) and ``refine`` (stage 2 through engine rollouts),
     in that order. prior: the starting / nominal params (default: the structure file's; the online node
     passes its last good set). callback(info): progress after every stage-2 evaluation (return True to
-    stop early) and once after stage 1.
+    stop early), once after stage 1, and ``{"stage": ..., "event": "start", "what": ...}`` before each step
+    after the fit (covariance, model_check, held_out; its return value ignored there).
+    Several datasets (recordings of one robot) are fitted jointly: their windows are pooled into one problem,
+    each keeping its own time base; ``IdentificationResult.recordings`` gives each one's residual.
     """
     opts = options
     bad = [s for s in stages if s not in STAGES]
@@ -362,6 +415,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
     stage_fits: List[Tuple[float, RefineResult]] = []     # (window_s, result) of each stage-2 run, in order
     heldout: Optional[HeldOutCheck] = None
     dominated: Dict[str, Tuple[float, float]] = {}
+    recordings: List[Dict[str, Any]] = []
     delay = float(opts.delay_s)
     device = opts.device
     if device == "auto":
@@ -450,7 +504,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     optimize_initial_states=opts.optimize_initial_states, max_iter=opts.max_iter,
                     optimizer=opts.optimizer, max_time_s=opts.max_time_s,
                     noise_std_m=opts.noise_std_m if opts.noise_std_m is not None else 1e-3,
-                    prior_std=dict(opts.prior_std), prior_center=opts.prior_center,
+                    prior_std=structure_prior_std(structure, opts.prior_std), prior_center=opts.prior_center,
                     derivative_method=opts.derivative_method, smooth_window_s=opts.smooth_window_s,
                     device=device, workers=opts.workers), **dict(opts.refine)})
                 ref = refine(structure, datasets, start, fopts, backend=opts.backend, integrator=opts.integrator,
@@ -480,6 +534,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     raise DivergenceError("stage 2 produced non-finite parameters")
                 if opts.covariance:
                     ts = time.perf_counter()
+                    _announce(callback, "covariance", "standard deviations (Gauss-Newton covariance, sandwich)")
                     from .uncertainty import gauss_newton_covariance
                     cov = gauss_newton_covariance(ref.problem, ref.w, ref.x0, noise_std_m=opts.noise_std_m,
                                                   max_windows=opts.covariance_windows, calibrate=opts.uncertainty)
@@ -494,9 +549,11 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     nonid.extend(cov.weak_directions)
                     notes.extend(cov.notes)
                     timings["covariance"] = time.perf_counter() - ts
+                recordings = recording_residuals(ref, datasets)
                 # the stage-1 values of parameters stage 2 did not free are kept; rest lengths etc. updated
                 if opts.model_check:
                     ts = time.perf_counter()
+                    _announce(callback, "model_check", "model check (residual against the marker noise)")
                     mismatch = model_check(ref, datasets, opts.mismatch, calibration.get("gn_rss_decrease_m2"))
                     timings["model_check"] = time.perf_counter() - ts
                 if opts.prior_dominated_ratio is not None and fopts.prior_std:
@@ -508,6 +565,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                         std.update({n: p for n, (_, p) in dominated.items()})
                 if opts.heldout_check:
                     ts = time.perf_counter()
+                    _announce(callback, "held_out", "held-out check (the fit and the nominal on unseen windows)")
                     heldout = compare_on_held_out(held_prob, params, prior, fit_delay_s=delay,
                                                   prior_delay_s=opts.delay_s, margin_sigma=opts.heldout_margin_sigma)
                     timings["held_out"] = time.perf_counter() - ts
@@ -544,7 +602,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                                     model_mismatch=mismatch, calibration=calibration,
                                     stage_values=[(ws, {n: float(v) for n, v in r.params.named().items()})
                                                   for ws, r in stage_fits],
-                                    held_out=heldout, prior_dominated=dominated)
+                                    held_out=heldout, prior_dominated=dominated, recordings=recordings)
     except (IdentificationError, RuntimeError, np.linalg.LinAlgError, FloatingPointError) as exc:
         if not isinstance(exc, IdentificationError):
             wrapped = DivergenceError(f"{type(exc).__name__}: {exc}")

@@ -77,7 +77,8 @@ class RefineOptions:
     known: ``{name: value}`` held fixed at that value.
     ties: groups sharing one value (a kind name = all of that kind, or a tuple of names).
     total_mass: scale anchor when only ratios are identifiable (default: the starting total moving mass; with
-        a mass prior (``prior_std["mass"]``) and no total_mass, the prior sets the scale instead: no gauge,
+        a mass prior (``prior_std["mass"]``, or one on any moving bar's mass by name) and no total_mass, the
+        prior sets the scale instead: no gauge,
         absolute values whose standard deviations carry the masses' uncertainty).
     estimate_delay / delay_s: the motor-to-mocap delay (motor angles used at t - delay), s, and its start.
     window_s / stride_s / max_windows: multiple-shooting windows (length, spacing, cap; evenly spread).
@@ -90,6 +91,8 @@ class RefineOptions:
     prior_std: Gaussian prior around ``prior_center``, per kind: relative for log-parametrised kinds
         (``{"stiffness": 0.2}`` = 20 %), metres for ``rest_length``, rad for ``zero_offset`` (MAP estimate;
         parameters the data do not determine then stay near the nominal model and their covariance says so).
+        A key may also be one parameter's name (``{"b3.mass": 0.02}``, same units): it overrides its kind's
+        entry for that parameter (per-element priors, e.g. a structure file's ``mass_std``).
     prior_center: the prior's mean (default: the start). Online, where each update starts from the last
         accepted set, centring the prior on the NOMINAL model keeps weakly seen parameters (damping in short
         windows) from random-walking away update after update.
@@ -345,7 +348,7 @@ class RefineProblem:
         # Gaussian prior precision (per unconstrained entry, in z units)
         prec = np.zeros(P)
         for k, kind in enumerate(kinds):
-            sd = opts.prior_std.get(kind)
+            sd = opts.prior_std.get(self.names[k], opts.prior_std.get(kind))
             if sd is None or not (sd > 0):
                 continue
             if kind == "rest_length":
@@ -373,7 +376,9 @@ class RefineProblem:
         scale_free = all((scale_dir[k] == 0) or (self.names[k] in free) for k in range(P))
         # weighed masses (a Gaussian prior on them) set the scale with their uncertainty, unless an explicit
         # total_mass anchors it
-        mass_prior = float(opts.prior_std.get("mass") or 0.0) > 0 and opts.total_mass is None
+        mass_prior = opts.total_mass is None and any(
+            float(opts.prior_std.get(f"{b}.mass", opts.prior_std.get("mass")) or 0.0) > 0
+            for b, mv in zip(top.bar_names, movable) if mv)
         self.gauge = bool(scale_free and not has_known_force and any(scale_dir[k] > 0 for k in range(P))
                           and not mass_prior)
         self.scale_dir = scale_dir

@@ -24,7 +24,7 @@ MIN_BAR_LENGTH_M = 1e-6
 _TOP_KEYS = {"name", "description", "notes", "gravity", "nodes", "bars", "strings", "constraints",
              "actuators", "std_devs"}
 _NODE_KEYS = {"name", "position", "fixed"}
-_BAR_KEYS = {"name", "nodes", "mass", "radius"}
+_BAR_KEYS = {"name", "nodes", "mass", "radius", "mass_std"}
 _STRING_KEYS = {"name", "nodes", "stiffness", "damping", "rest_length", "actuator", "closed", "stiffness_law"}
 _ACT_KEYS = {"name", "motor_id", "spool_radius", "direction", "zero_offset", "limits", "model"}
 _CONSTRAINT_KEYS = {"coincident": {"type", "nodes"}, "midpoint": {"type", "node", "between"},
@@ -134,7 +134,8 @@ def structure_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Stru
                    "(move one node; bar length comes from the node positions)")
         mass = c.number(f"{key}.mass", raw["mass"], lo=0.0, lo_open=True)
         radius = c.number(f"{key}.radius", raw.get("radius", 0.01), lo=0.0, lo_open=True)
-        bars.append(Bar(b, ends, mass, radius))
+        mass_std = _mass_std(c, f"{key}.mass_std", raw["mass_std"], mass) if raw.get("mass_std") is not None else None
+        bars.append(Bar(b, ends, mass, radius, mass_std))
 
     # ---- actuators (before strings, which refer to them) -------------------------------------
     actuators: List[Actuator] = []
@@ -262,6 +263,23 @@ def structure_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Stru
                      notes=notes if isinstance(notes, str) else yaml.safe_dump(notes))
 
 
+def _mass_std(c: _Checker, key: str, value, mass: float) -> float:
+    """A bar's ``mass_std``: a number in kg, or a percentage of ``mass`` (``'2%'``); finite and > 0. Returns kg."""
+    how = "expected the mass's standard deviation in kg (e.g. 0.004) or as a percentage of the mass (e.g. 2%), > 0"
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            v = float(value.strip()[:-1]) / 100.0 * mass
+        except ValueError:
+            v = math.nan
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        v = float(value)
+    else:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0.0):
+        c.fail(key, value, how)
+    return v
+
+
 def _check_acyclic(c: _Checker, constraints) -> None:
     """Reject constraint chains that loop (a on b, b on a): they have no consistent placement."""
     parents = {}
@@ -344,7 +362,8 @@ def structure_to_dict(s: Structure, std_devs: Optional[Mapping[str, float]] = No
     out["gravity"] = list(s.gravity)
     out["nodes"] = [{"name": n.name, "position": [float(v) for v in n.position], **({"fixed": True} if n.fixed else {})}
                     for n in s.nodes]
-    out["bars"] = [{"name": b.name, "nodes": list(b.nodes), "mass": b.mass, "radius": b.radius} for b in s.bars]
+    out["bars"] = [{"name": b.name, "nodes": list(b.nodes), "mass": b.mass, "radius": b.radius,
+                    **({"mass_std": b.mass_std} if b.mass_std is not None else {})} for b in s.bars]
     out["strings"] = []
     for st in s.strings:
         d = {"name": st.name, "nodes": list(st.nodes), "stiffness": st.stiffness, "damping": st.damping,

@@ -33,13 +33,17 @@ class Bar:
     """A rigid, zero-thickness bar between two nodes; its length is fixed by the node positions.
 
     ``radius`` only matters for drawing and for the MuJoCo capsule (whose inertia is set to match the
-    thin bar anyway).
+    thin bar anyway). ``mass_std``: see the field.
     """
 
     name: str
     nodes: Tuple[str, str]
     mass: float
     radius: float = 0.01
+    #: How well ``mass`` is known (the bar was weighed): its standard deviation in kg, or None (not stated). The
+    #: file may give it in kg or as a percentage of the mass (``mass_std: 2%``); it is held in kg. Identification
+    #: uses it as this bar's mass prior, in place of the global ``--prior-std mass=``.
+    mass_std: Optional[float] = None
 
 
 @dataclass(frozen=True)

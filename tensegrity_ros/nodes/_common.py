@@ -19,6 +19,7 @@ Nothing here knows a particular node; the node modules are thin shells over the 
 """
 from __future__ import annotations
 
+import itertools
 import math
 import signal
 import struct
@@ -402,6 +403,14 @@ class RollingStats:
         self.max = -math.inf
         self._lock = threading.Lock()
 
+    def __getstate__(self):      # pickles by value (a snapshot sent from another process); the lock is not
+        with self._lock:
+            return {"_d": deque(self._d, maxlen=self._d.maxlen), "count": self.count, "max": self.max}
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def add(self, value: float) -> None:
         with self._lock:
             self._d.append(float(value))
@@ -411,6 +420,12 @@ class RollingStats:
     def values(self) -> np.ndarray:
         with self._lock:
             return np.array(self._d, dtype=float)
+
+    def recent(self, n: int) -> np.ndarray:
+        """The last ``n`` samples, oldest first (cheap: a status line's figure without copying the window)."""
+        with self._lock:
+            out = list(itertools.islice(reversed(self._d), n))
+        return np.array(out[::-1], dtype=float)
 
     def percentile(self, q: float) -> float:
         v = self.values()
@@ -974,37 +989,7 @@ def joint_state_from_cdr(data: bytes) -> JointRecord:
 
 
 # ---- identified parameters -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ParameterSet:
-    """One identified parameter set (what IdentifiedParameters carries), as plain arrays.
-
-    names: (P,) engine parameter names ``<element>.<kind>``; values / std_devs / identifiability: (P,);
-    fit_residual: RMS node-position error of the fit over the window, m; window: (start, end) s;
-    stamp: when the fit finished, s.
-    """
-
-    set_id: str
-    names: Tuple[str, ...]
-    values: np.ndarray
-    std_devs: np.ndarray
-    identifiability: np.ndarray
-    fit_residual: float = math.nan
-    window: Tuple[float, float] = (0.0, 0.0)
-    converged: bool = False
-    status: str = ""
-    stamp: float = 0.0
-
-    def as_dict(self) -> Dict[str, float]:
-        return {n: float(v) for n, v in zip(self.names, self.values)}
-
-    def std_dict(self) -> Dict[str, float]:
-        return {n: float(v) for n, v in zip(self.names, self.std_devs)}
-
-
-def split_name(name: str) -> Tuple[str, str]:
-    """``"s12.stiffness"`` -> ("s12", "stiffness"); a global name -> ("", name)."""
-    elem, dot, kind = name.rpartition(".")
-    return (elem, kind) if dot else ("", name)
+from ..parameter_set import ParameterSet, split_name  # noqa: E402,F401 (rclpy-free, re-exported)
 
 
 def parameter_set_to_msg(ps: ParameterSet) -> IdentifiedParameters:

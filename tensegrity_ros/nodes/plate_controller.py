@@ -9,12 +9,16 @@ states, and shipping 50 x 108 x 114 doubles per cycle over DDS costs more than c
 
 Topics: subscribes ``/tensegrity/node_states``, ``/tensegrity/motor_states`` (the present angles before the first
 plan), ``/tensegrity/identified_parameters``, ``/tensegrity/plate_target`` (geometry_msgs/PoseStamped: C2 in
-``target_frame``, default "C0"); publishes ``/tensegrity/motor_plan`` (trajectory_msgs/JointTrajectory when
+``target_frame``, default "C0") or ``/tensegrity/plate_target_trajectory`` (geometry_msgs/PoseArray: poses
+``target_trajectory_dt`` apart from header.stamp, the horizon samples it; the latest of the two kinds wins);
+publishes ``/tensegrity/motor_plan`` (trajectory_msgs/JointTrajectory when
 installed, else sensor_msgs/JointState with position = N x A angles row-major, one prediction step (``dt``) apart,
 header.stamp = the time of the first: the state_predictor's plan convention) and ``/diagnostics`` (status, reason,
 solve time p50/p99, tracking error, limits active). Stale inputs: the plan holds the present command and the
 status says ``stale``; rejected targets (NaN, other frame, out of the workspace) keep the previous target and
-the diagnostics give the reason.
+the diagnostics give the reason. ``model`` (run-time settable): ``identified`` = the latest identified parameters,
+``nominal`` = the structure file's (the paired run of ``tensegrity demo --controller``); a change resets the MPC's
+disturbance estimate, integral and warm start.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from typing import Optional
 import numpy as np
 
 from ..control import MPCOptions, PlateMPC, PlateOutputMap, Status
-from ..control.targets import target_from_pose
+from ..control.targets import target_from_pose, trajectory_from_poses
 from ..model import load_structure
 from . import _common as C
 from ._common import ParamSpec
@@ -52,6 +56,10 @@ PARAMS = (
               read_only=True),
     ParamSpec("max_input_age_s", 0.25, "older node states make the plan hold (stale) [s]", range=(0.01, 10.0)),
     ParamSpec("target_frame", "C0", "frame_id plate targets must carry", read_only=True),
+    ParamSpec("target_trajectory_dt", 0.05, "time between the poses of a target trajectory (PoseArray) [s]",
+              range=(1e-3, 10.0)),
+    ParamSpec("model", "identified", "parameters of the model: identified (latest set) | nominal (the file's)",
+              choices=("identified", "nominal")),
     ParamSpec("max_target_offset_m", 0.1, "reject targets farther from the plate than this [m]", range=(0.0, 2.0)),
     ParamSpec("max_target_angle_rad", 0.5, "reject targets turned more than this from the plate [rad]",
               range=(0.0, 3.2)),
@@ -87,7 +95,9 @@ class PlateControllerNode(C.GraphNode):
         self.mpc = PlateMPC.from_structure(self.structure, self.output, self.options)
         self.motor_names = self.mpc.motor_names
         self.values = {n: float(v) for n, v in self.core.engine.default_params().named().items()}
+        self.nominal_values = dict(self.values)
         self.set_id = "nominal"
+        self.trajectory = None              # TargetTrajectory (latest kind of target wins)
         self._lock = threading.Lock()
         self._state = None                  # latest NodeStatesRecord
         self._angles: Optional[np.ndarray] = None
@@ -107,7 +117,9 @@ class PlateControllerNode(C.GraphNode):
         self.subscribe(JointState, C.TOPICS["motor_states"], self._on_motors, C.STREAM_QOS, info=False)
         self.subscribe(IdentifiedParameters, C.TOPICS["identified_parameters"], self._on_params, C.LATCHED_QOS,
                        info=False)
+        from geometry_msgs.msg import PoseArray
         self.subscribe(PoseStamped, "/tensegrity/plate_target", self._on_target, 10, info=False)
+        self.subscribe(PoseArray, "/tensegrity/plate_target_trajectory", self._on_trajectory, 10, info=False)
         try:
             from trajectory_msgs.msg import JointTrajectory
             self._plan_cls = JointTrajectory
@@ -155,7 +167,29 @@ class PlateControllerNode(C.GraphNode):
             self.target_reason = f"rejected: {why}"
             self.get_logger().warn(f"plate target {self.target_reason}", throttle_duration_sec=2.0)
             return
-        self.target, self.target_reason = y, "accepted"
+        self.target, self.trajectory, self.target_reason = y, None, "accepted"
+
+    def _on_trajectory(self, msg) -> None:
+        poses = list(msg.poses)
+        traj, why = trajectory_from_poses(
+            C.stamp_to_sec(msg.header.stamp), self.p["target_trajectory_dt"],
+            [(q.position.x, q.position.y, q.position.z) for q in poses],
+            [(q.orientation.x, q.orientation.y, q.orientation.z, q.orientation.w) for q in poses],
+            msg.header.frame_id, self.now_s(), self._present(), self.p["target_frame"],
+            self.p["max_target_offset_m"], self.p["max_target_angle_rad"])
+        if traj is None:
+            self.rejected += 1
+            self.target_reason = f"rejected: {why}"
+            self.get_logger().warn(f"plate target trajectory {self.target_reason}", throttle_duration_sec=2.0)
+            return
+        self.trajectory, self.target, self.target_reason = traj, None, "accepted (trajectory)"
+
+    def on_parameter_change(self, name, value):
+        if name == "model" and value != self.p["model"]:
+            self.mpc.reset()              # the disturbance estimate and warm start belong to the other model
+            self._lin = None              # and so does the linearisation: hold until one with the new model
+            self._wake.set()
+        return None
 
     def _present(self) -> Optional[np.ndarray]:
         st = self._state
@@ -178,9 +212,12 @@ class PlateControllerNode(C.GraphNode):
             self._wake.clear()
             with self._lock:
                 st, values, set_id = self._state, dict(self.values), self.set_id
+            model = self.p["model"]
+            if model == "nominal":
+                values, set_id = dict(self.nominal_values), "nominal"
             u0 = None if st is None else self._command_now(st.stamp)
-            if st is None or u0 is None:
-                continue
+            if st is None or u0 is None or (self.target is None and self.trajectory is None):
+                continue              # nothing to control (yet): no linearisation, the worker's core stays free
             # the message's nodes (any order, some occluded) -> all structure nodes, as the predictor does:
             # unseen free nodes from the current nominal, else the file pose; dependent nodes from the free ones
             core, lin = self.core, self._lin
@@ -198,6 +235,8 @@ class PlateControllerNode(C.GraphNode):
                 t_start = time.perf_counter()
                 lin = self._pool.submit(relinearize_job, self._key, self.structure, self.core_options, values,
                                         st.stamp, P, V, u, self.lin_steps, set_id).result()
+                if self.p["model"] != model:        # the model changed meanwhile: this one is of the old
+                    continue
                 # a late next linearisation: continue this one with its frozen last-step model (bounded, see
                 # Linearization.expand) rather than hold
                 self._lin = lin.expand(self.N)
@@ -207,8 +246,8 @@ class PlateControllerNode(C.GraphNode):
 
     # ---- the cycle ----------------------------------------------------------------------------------------
     def _cycle(self) -> None:
-        st, lin, target = self._state, self._lin, self.target
-        if st is None or target is None:
+        st, lin, target, traj = self._state, self._lin, self.target, self.trajectory
+        if st is None or (target is None and traj is None):
             return
         now = self.now_s()
         u_now = self._command_now(now)
@@ -223,11 +262,14 @@ class PlateControllerNode(C.GraphNode):
         else:
             x = self.core.measured_state(st.names, st.positions, st.velocities, st.valid)
             A, B = lin.step_jacobians(i0, self.N)
+            if traj is not None:                    # the target at the horizon's steps (k dt after the state)
+                target = traj.sample(st.stamp + dt * np.arange(self.N + 1))
             elapsed = st.stamp - self._last_stamp if self._last_stamp is not None else 0.0
             res = self.mpc.solve(x, lin.xe[i0:], lin.ue[i0:], A, B, target, u_now, dt, age_s=now - st.stamp,
                                  elapsed_s=max(elapsed, 0.0))
             self._last_stamp = st.stamp
-            self.solve.add(res.solve_s)
+            if res.ok:                 # a computed plan (a stale or failed answer returns before the QP: no solve)
+                self.solve.add(res.solve_s)
         self.last, self.cycles = res, self.cycles + 1
         if res.error_now is not None:
             self.plate_error = (float(np.linalg.norm(res.error_now[:3])), float(np.abs(res.error_now[3:6]).max()))
@@ -259,7 +301,8 @@ class PlateControllerNode(C.GraphNode):
         level = "ok" if status in ("solved", "waiting") else "warn"
         vals = {"status": status, "reason": "" if r is None else r.message, "target": self.target_reason,
                 "targets_rejected": self.rejected, "cycles": self.cycles, "plans_published": self.pub.count,
-                "parameter_set_id": self.set_id, "plate_error_mm": self.plate_error[0] * 1e3,
+                "parameter_set_id": self.set_id if self.p["model"] == "identified" else "nominal (model: nominal)",
+                "plate_error_mm": self.plate_error[0] * 1e3,
                 "plate_error_deg": math.degrees(self.plate_error[1]),
                 "limits_active": 0 if r is None else r.active_limits}
         vals.update(self.solve.summary(1e3, "solve_ms_"))

@@ -12,7 +12,7 @@ from ...engine import apply_to_structure, params_from_structure
 from ...model import Structure
 
 __all__ = ["TwinTrial", "TwinObjective", "BaselineResult", "twin_rollout", "least_squares_lbfgsb", "cma_es",
-           "mujoco_minimize", "mujoco_sysid_available", "BOUNDS"]
+           "mujoco_minimize", "mujoco_sysid", "mujoco_sysid_available", "BOUNDS"]
 
 #: the seed's search interval for every parameter (Sec. 4.1)
 BOUNDS = (0.1, 1000.0)
@@ -240,9 +240,7 @@ def mujoco_minimize(obj: TwinObjective, x0: Sequence[float], *, max_iter: int = 
         if max_time_s is not None and time.perf_counter() - t0 > max_time_s:
             raise StopIteration
 
-    ok, why = mujoco_sysid_available()
-    backend = "mujoco.sysid.optimize(mujoco backend)" if ok else \
-        f"mujoco.minimize.least_squares (mujoco.sysid not importable: {why})"
+    backend = "mujoco.minimize.least_squares (the optimiser behind mujoco.sysid.optimize's mujoco backend)"
     msg = ""
     try:
         x, trace = mjmin.least_squares(np.asarray(x0, dtype=float),
@@ -257,3 +255,40 @@ def mujoco_minimize(obj: TwinObjective, x0: Sequence[float], *, max_iter: int = 
     n_it = max(len(hist), 1)
     return BaselineResult("mujoco.sysid (LM)", obj.values(x), secs, len(hist), obj.evaluations - ev0, secs / n_it,
                           obj.mse(x), hist, conv, backend, msg)
+
+
+def mujoco_sysid(obj: TwinObjective, x0: Sequence[float], *, max_iter: int = 30,
+                 bounds: Tuple[float, float] = BOUNDS, optimizer: str = "mujoco") -> BaselineResult:
+    """``mujoco.sysid`` itself: its :class:`~mujoco.sysid.Parameter` / ``ParameterDict`` (one parameter per group,
+    nominal ``x0``, box ``bounds``) and :func:`mujoco.sysid.optimize` (``optimizer``: ``mujoco`` = its default
+    backend, or ``scipy``), on this objective's residual: every trial is one sequence, their residuals (mm)
+    concatenated, as sysid does with several sequences. sysid's own residual builder compares sensor data of a
+    model whose MjSpec its modifiers edit; here the twin is regenerated from the structure file for each
+    candidate instead (:meth:`TwinObjective.residual`), the same MuJoCo physics. Needs absl-py, colorama and
+    tabulate (:func:`mujoco_sysid_available`)."""
+    ok, why = mujoco_sysid_available()
+    if not ok:
+        raise RuntimeError(f"mujoco.sysid is not importable ({why}); install absl-py colorama tabulate "
+                           "(requirements/lock.txt)")
+    from mujoco.sysid._src.optimize import optimize
+    from mujoco.sysid._src.parameter import Parameter, ParameterDict
+    t0 = time.perf_counter()
+    ev0 = obj.evaluations
+    params = ParameterDict({lab: Parameter(lab, float(v), bounds[0], bounds[1])
+                            for lab, v in zip(obj.labels, np.asarray(x0, dtype=float).reshape(-1))})
+
+    def residual_fn(x, _params):
+        # mujoco.minimize asks for several candidates at once (finite differences): x (n, k) -> (n_res, k)
+        x = np.asarray(x, dtype=float)
+        if x.ndim == 1:
+            return [obj.residual(x)], None, None
+        return [np.stack([obj.residual(x[:, j]) for j in range(x.shape[1])], axis=1)], None, None
+
+    fitted, res = optimize(params, residual_fn, optimizer=optimizer, verbose=False, max_iters=max_iter)
+    x = fitted.as_vector()
+    secs = time.perf_counter() - t0
+    losses = list(getattr(res, "extras", {}).get("objective", []))
+    n_it = max(len(losses), 1)
+    return BaselineResult(f"mujoco.sysid ({optimizer})", obj.values(x), secs, len(losses),
+                          obj.evaluations - ev0, secs / n_it, obj.mse(x), [], True,
+                          f"mujoco.sysid.optimize(optimizer={optimizer!r}), Parameter/ParameterDict", "")

@@ -1,0 +1,462 @@
+"""`tensegrity demo --controller`: the loop closed without a robot (issue #19 item 3).
+
+The demo's graph (:mod:`tensegrity_ros.bringup`: the MuJoCo twin of a TRUE robot whose stiffnesses and
+dampings are ~20 % off the nominal, the driver on the emulated bus, mocap, ingest, online identifier, predictor)
+plus the ``plate_controller``, in three phases:
+
+1. **Identification** (``--duration`` s): the driver runs the seed's open-loop sinusoids; the identifier
+   identifies. The plate's motion under them is the open-loop reference figure (how far the drive moves it).
+2. **Identified model**: the controller (``model: identified``, the latest accepted set) gets a target
+   trajectory on ``/tensegrity/plate_target_trajectory``; its plans go to ``/tensegrity/motor_plan`` and the
+   driver follows them through its safety clamps (a plan preempts the reference). The target: ``SETTLE_S`` on the
+   circle's start point (not scored), then ``TRACK_S`` scored: C2 on a circle of ``RADIUS_M`` in C0's x-y
+   plane around the plate's rest pose (the NOMINAL model's rest pose with the motors at zero: what a user knows),
+   one lap every ``PERIOD_S``, and a pitch step of ``TILT_DEG`` at ``TILT_AT_S``.
+3. **Nominal model**, paired: the same controller with ``model: nominal`` (the structure file's parameters; the
+   MPC's disturbance estimate, integral and warm start reset at the switch), the same settle and the same
+   target.
+
+Scored on the twin's ground truth (never on what the controller measures): the RMSE of C2's position against the
+target over each tracking window (mm), the angle RMSE (deg), and for reference what holding the plate at the
+circle's start would score. The controller's figures: plans from a solve per second, solve time p50 / p99 (the
+node's own timing of ``PlateMPC.solve``), and limit violations: plan points outside the actuator limits or
+faster than the plan's rate limit (checked on every plan by a probe in the graph, independent of the MPC's own
+projection), plus goals the driver had to clamp during the control phases (its ``safety_clamped`` counter).
+
+``summary.json`` gets a ``control`` block; the health gains config/health.yaml's ``control`` section (issue 19's
+targets: identified RMSE < 2 mm and at most half the nominal's, >= 20 Hz, solve p99 < 25 ms, 0 violations), so
+a missed target makes the run DEGRADED (exit 3). The report gains ``control_tracking.png``: target and tracked
+plate pose, identified and nominal.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from . import UserError
+
+SETTLE_S = 6.0          # on the circle's start point before each scored window (not scored)
+TRACK_S = 30.0          # the scored window of each model
+RADIUS_M = 0.01         # the circle (C2 in C0's x-y plane)
+PERIOD_S = 10.0         # one lap (6.3 mm/s)
+TILT_DEG = 0.5          # the pitch step ...
+TILT_AT_S = 15.0        # ... this far into the scored window
+TRAJ_DT = 0.05          # spacing of the published target poses (= plate_controller's target_trajectory_dt)
+TRAJ_AHEAD_S = 2.0      # each published trajectory covers [now - 0.1 s, now + this]
+PUBLISH_HZ = 10.0
+
+
+@dataclass(frozen=True)
+class ControlTarget:
+    """The target of one control phase, as a function of the time since the phase began (pure)."""
+
+    center: np.ndarray                       # (6,) the circle's centre pose [x, y, z, yaw, pitch, roll]
+    radius_m: float = RADIUS_M
+    period_s: float = PERIOD_S
+    settle_s: float = SETTLE_S
+    tilt_rad: float = math.radians(TILT_DEG)
+    tilt_at_s: float = TILT_AT_S
+
+    def pose(self, t) -> np.ndarray:
+        """(T, 6) target poses at ``t`` (T,) s since the phase began."""
+        t = np.atleast_1d(np.asarray(t, dtype=float))
+        s = np.clip(t - self.settle_s, 0.0, None)               # tracking time (0 while settling)
+        out = np.repeat(np.asarray(self.center, dtype=float)[None], t.size, 0)
+        w = 2 * np.pi * s / self.period_s
+        out[:, 0] += self.radius_m * np.cos(w)
+        out[:, 1] += self.radius_m * np.sin(w)
+        out[:, 4] += np.where(s >= self.tilt_at_s, self.tilt_rad, 0.0)
+        return out
+
+    def as_dict(self) -> dict:
+        return {"center": [round(float(v), 6) for v in self.center], "radius_mm": self.radius_m * 1e3,
+                "period_s": self.period_s, "settle_s": self.settle_s, "tilt_deg": math.degrees(self.tilt_rad),
+                "tilt_axis": "pitch", "tilt_at_s": self.tilt_at_s, "plane": "C0 x-y", "track_s": TRACK_S}
+
+
+def tracking_errors(stamps, poses, target: ControlTarget, t0: float, window=(0.0, math.inf)):
+    """Ground-truth plate poses (T, 6) at ``stamps`` (T,) against the target of a phase that began at ``t0``,
+    inside ``window`` (s since the phase's scored start). Returns (times (K,), position error (K,) m, angle error
+    (K, 3) rad wrapped)."""
+    stamps = np.asarray(stamps, dtype=float)
+    rel = stamps - t0 - target.settle_s
+    keep = (rel >= window[0]) & (rel <= window[1])
+    if not keep.any():
+        return np.zeros(0), np.zeros(0), np.zeros((0, 3))
+    y = np.asarray(poses, dtype=float)[keep]
+    r = target.pose(stamps[keep] - t0)
+    d = y - r
+    ang = (d[:, 3:] + np.pi) % (2 * np.pi) - np.pi
+    return rel[keep], np.linalg.norm(d[:, :3], axis=1), ang
+
+
+def plan_violations(angles: np.ndarray, dt: float, lower, upper, max_rate: float, tol: float = 1e-9) -> int:
+    """Plan points (K, A) outside [lower, upper] plus consecutive steps faster than ``max_rate`` (rad/s)."""
+    a = np.asarray(angles, dtype=float)
+    out = int(np.count_nonzero((a < np.asarray(lower) - tol) | (a > np.asarray(upper) + tol)))
+    if a.shape[0] > 1:
+        out += int(np.count_nonzero(np.abs(np.diff(a, axis=0)) > max_rate * dt * (1 + 1e-6) + tol))
+    return out
+
+
+def _rms(x) -> float:
+    x = np.asarray(x, dtype=float)
+    return float(np.sqrt(np.mean(x ** 2))) if x.size else math.nan
+
+
+# =====================================================================================================
+# the probe: publishes the target, checks every plan
+# =====================================================================================================
+def _make_probe(graph, controller, structure):
+    from geometry_msgs.msg import Pose, PoseArray
+
+    from .. import frames as F
+    from ..hardware.plan import PlanError, plan_from_message
+    from ..nodes import _common as C
+
+    lo = np.array([a.limits[0] for a in structure.actuators])
+    hi = np.array([a.limits[1] for a in structure.actuators])
+    names = [a.name for a in structure.actuators]
+    max_rate = float(controller.p["max_rate_rad_s"])
+
+    class ControlProbe(C.LeanNode):
+        def __init__(self):
+            super().__init__("control_demo_probe", context=graph.context, qos_events=False)
+            self.target: Optional[ControlTarget] = None
+            self.t0 = math.nan
+            self.plans = 0
+            self.violations = 0
+            self.bad_plans = 0
+            self.pub = self.create_publisher(PoseArray, "/tensegrity/plate_target_trajectory", 10)
+            self.error = ""
+            self.create_subscription(controller._plan_cls, C.TOPICS["motor_plan"], self._guard(self._on_plan), 10)
+            self.create_timer(1.0 / PUBLISH_HZ, self._guard(self._publish))
+
+        def _guard(self, fn):
+            def call(*a):
+                try:
+                    fn(*a)
+                except Exception as e:  # noqa: BLE001 - never stop the graph's executor; the summary says it
+                    self.error = f"{type(e).__name__}: {e}"
+            return call
+
+        def start(self, target: ControlTarget, t0: float) -> None:
+            self.target, self.t0 = target, t0
+
+        def _publish(self) -> None:
+            if self.target is None:
+                return
+            now = self.get_clock().now().nanoseconds * 1e-9
+            ts = now - 0.1 + TRAJ_DT * np.arange(int(round((TRAJ_AHEAD_S + 0.1) / TRAJ_DT)) + 1)
+            msg = PoseArray()
+            msg.header.stamp = C.sec_to_stamp(float(ts[0]))
+            msg.header.frame_id = "C0"
+            for y in self.target.pose(ts - self.t0):
+                p = Pose()
+                p.position.x, p.position.y, p.position.z = (float(v) for v in y[:3])
+                qx, qy, qz, qw = F.quaternion_from_matrix(F.rotation_zyx(y[3:]))
+                p.orientation.x, p.orientation.y, p.orientation.z, p.orientation.w = qx, qy, qz, qw
+                msg.poses.append(p)
+            self.pub.publish(msg)
+
+        def _on_plan(self, msg) -> None:
+            try:
+                _, offsets, angles = plan_from_message(msg, names, controller.core.dt)
+            except PlanError:
+                self.bad_plans += 1
+                return
+            self.plans += 1
+            dt = float(np.median(np.diff(offsets))) if offsets.size > 1 else controller.core.dt
+            self.violations += plan_violations(angles, dt, lo, hi, max_rate)
+
+    return ControlProbe()
+
+
+# =====================================================================================================
+# the run
+# =====================================================================================================
+def _driver_clamped(graph) -> float:
+    for name, (_, _, vals) in dict(graph.monitor.diagnostics).items():
+        if name.endswith("dynamixel bus") and "safety_clamped" in vals:
+            return float(vals["safety_clamped"])
+    return math.nan
+
+
+def _plate_pose_series(mon, names, since: float):
+    from .. import frames as F
+
+    gt = [g for g in list(mon.ground_truth) if g[0] >= since]
+    if not gt:
+        return np.zeros(0), np.zeros((0, 6))
+    stamps = np.array([g[0] for g in gt])
+    poses = np.stack([F.manipulator_relative_poses(g[1], names)["0C2"] for g in gt])
+    return stamps, poses
+
+
+def _control_phase(graph, controller, probe, model: str, target: ControlTarget, progress, label: str) -> dict:
+    """Run one control phase: switch the model, publish the target, wait settle + track; returns its raw figures
+    (times in the graph's ROS clock)."""
+    from rclpy.parameter import Parameter
+
+    controller.set_parameters([Parameter("model", value=model)])
+    t0 = controller.now_s()
+    probe.start(target, t0)
+    wall0 = time.monotonic()
+    marks = {}
+    for mark, at in (("track_start", target.settle_s), ("track_end", target.settle_s + TRACK_S)):
+        while True:
+            left = at - (time.monotonic() - wall0)
+            if left <= 0:
+                break
+            time.sleep(min(1.0, left))
+            faults = graph.faults() if hasattr(graph, "faults") else {}
+            if faults:
+                raise UserError(f"stopped: {faults}")
+            err = controller.plate_error
+            last = controller.last
+            progress.line(f"control [{label}] t={time.monotonic() - wall0:5.1f}s | plate error now "
+                          f"{err[0] * 1e3:6.2f} mm / {math.degrees(err[1]):5.2f} deg | status "
+                          f"{last.status.value if last else 'waiting'} | solve p50 "
+                          f"{controller.solve.percentile(50) * 1e3:5.1f} ms | target {controller.target_reason}"
+                          + (f" | {last.message}" if last is not None and last.message else ""))
+        marks[mark] = {"t": controller.now_s(), "solves": controller.solve.count, "cycles": controller.cycles,
+                       "plans": probe.plans, "violations": probe.violations, "clamped": _driver_clamped(graph),
+                       "set_id": controller.set_id}
+    n_new = marks["track_end"]["solves"] - marks["track_start"]["solves"]
+    solve = controller.solve.values()[-n_new:] if n_new > 0 else np.zeros(0)
+    span = marks["track_end"]["t"] - marks["track_start"]["t"]
+    return {"model": model, "t0": t0, "marks": marks, "solve_s": solve,
+            "rate_hz": n_new / span if span > 0 else math.nan,
+            "holds": (marks["track_end"]["cycles"] - marks["track_start"]["cycles"]) - n_new,
+            "plans": marks["track_end"]["plans"] - marks["track_start"]["plans"],
+            "violations": marks["track_end"]["violations"] - marks["track_start"]["violations"],
+            "set_id": marks["track_end"]["set_id"] if model == "identified" else "nominal",
+            "last_status": "" if controller.last is None else
+            f"{controller.last.status.value}: {controller.last.message}".rstrip(": ")}
+
+
+def _score(phase: dict, target: ControlTarget, stamps, poses) -> dict:
+    _, pos, ang = tracking_errors(stamps, poses, target, phase["t0"], (0.0, TRACK_S))
+    s = phase["solve_s"] * 1e3
+    return {"rmse_mm": _rms(pos) * 1e3, "max_error_mm": float(pos.max() * 1e3) if pos.size else math.nan,
+            "angle_rmse_deg": math.degrees(_rms(ang)) if ang.size else math.nan, "samples": int(pos.size),
+            "controller_rate_hz": phase["rate_hz"], "holds": int(phase["holds"]),
+            "solve_ms_p50": float(np.percentile(s, 50)) if s.size else math.nan,
+            "solve_ms_p99": float(np.percentile(s, 99)) if s.size else math.nan,
+            "plans_checked": int(phase["plans"]), "plan_violations": int(phase["violations"]),
+            "parameter_set_id": phase["set_id"], "last_status": phase["last_status"]}
+
+
+def _open_loop_reference(stamps, poses, t_end: float, seconds: float = 20.0) -> dict:
+    """How the seed's open-loop sinusoids move the plate over the identification phase's last ``seconds``."""
+    keep = (stamps >= t_end - seconds) & (stamps <= t_end)
+    if not keep.any():
+        return {"seconds": 0.0}
+    p = poses[keep]
+    d = p[:, :3] - p[:, :3].mean(0)
+    a = (p[:, 3:] - p[:, 3:].mean(0) + np.pi) % (2 * np.pi) - np.pi
+    return {"seconds": float(stamps[keep][-1] - stamps[keep][0]), "plate_motion_rms_mm": _rms(np.linalg.norm(d, axis=1)) * 1e3,
+            "plate_motion_peak_mm": float(np.linalg.norm(d, axis=1).max() * 1e3),
+            "plate_angle_rms_deg": math.degrees(_rms(a)),
+            "what": "the plate's motion about its mean under the seed's phase-shifted sinusoids (open loop)"}
+
+
+def _plot(path: Path, target: ControlTarget, runs: Dict[str, tuple]) -> Optional[Path]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # pragma: no cover
+        return None
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    t = np.linspace(0.0, TRACK_S, 600)
+    ref = target.pose(t + target.settle_s)
+    rows = ((0, "x [mm]", 1e3), (1, "y [mm]", 1e3), (4, "pitch [deg]", 180 / np.pi))
+    for ax, (j, lab, sc) in zip(axes, rows):
+        ax.plot(t, (ref[:, j] - target.center[j]) * sc, "k--", lw=1.5, label="target")
+        for (name, (tt, y)), col in zip(runs.items(), ("tab:green", "tab:red")):
+            if tt.size:
+                ax.plot(tt, (y[:, j] - target.center[j]) * sc, color=col, lw=1, label=f"tracked ({name} model)")
+        ax.set_ylabel(lab + " (rel. centre)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="upper right", fontsize=8)
+    axes[-1].set_xlabel("s into the scored window")
+    fig.suptitle("plate C2 in C0: target vs twin ground truth, identified and nominal model")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def control_figures(control: dict) -> Dict[str, float]:
+    """The health figures (config/health.yaml, section control) of a summary's ``control`` block."""
+    idn, nom = control["identified"], control["nominal"]
+    return {"control_rmse_identified_mm": idn["rmse_mm"],
+            "control_rmse_ratio_identified_to_nominal": control["ratio_identified_to_nominal"],
+            "controller_rate_hz": min(idn["controller_rate_hz"], nom["controller_rate_hz"]),
+            "controller_solve_ms_p99": control["solve_ms_p99"],
+            "control_limit_violations": control["limit_violations"]["total"]}
+
+
+def run(args) -> int:
+    from ..bringup import NODE_ORDER, build_graph, drain, graph_health, stop_sources
+    from ..engine import params_from_structure
+    from ..health import EXIT_DEGRADED, format_value
+    from . import demo as D
+    from ._common import atomic_output
+
+    nominal, out, force = D.checked_inputs(args, "controller demo")
+    overrides = {"sim_robot": {"perturb_seed": int(args.seed)},
+                 "plate_controller": {"target_trajectory_dt": TRAJ_DT, "model": "identified"}}
+    cfg = D.graph_config(args, nodes=NODE_ORDER, overrides=overrides)
+    import signal
+
+    def _on_signal(signum, frame):
+        raise KeyboardInterrupt
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
+    progress = D._Progress()
+    sys.stderr.write(f"tensegrity demo --controller: starting the graph ({nominal.name}, worker processes warm "
+                     f"up ~10 s); {args.duration:g} s of identification, then {SETTLE_S + TRACK_S:g} s of control "
+                     "with the identified model and as long with the nominal one...\n")
+    # the circle's centre: the NOMINAL model's rest pose (motors at zero), what a user can compute
+    from .. import frames as F
+    from ..twin.sim import TwinSim
+
+    sim = TwinSim(nominal)
+    sim.step(np.zeros(len(nominal.actuators)), 1)
+    sim.settle(3.0)
+    center = F.manipulator_relative_poses(sim.node_positions(), nominal.node_names)["0C2"]
+    target = ControlTarget(center=center)
+
+    graph = build_graph(cfg)
+    try:
+        controller = graph.nodes["plate_controller"]
+        probe = _make_probe(graph, controller, nominal)
+        graph.executor.add_node(probe)
+        graph.nodes[probe.get_name()] = probe               # destroyed with the graph
+        true_structure = graph.true_structure
+        truth = {n: float(v) for n, v in params_from_structure(true_structure).named().items()}
+        nom = {n: float(v) for n, v in params_from_structure(nominal).named().items()}
+        est_names = [n for n in nom if n.rpartition(".")[2] in graph.nodes["online_identifier"].p["estimate"]]
+        nominal_err = float(np.median(list(D.parameter_errors(nom, truth, est_names).values())))
+        graph.spin_in_background()
+        t0 = time.monotonic()
+        t0_ros = controller.now_s()
+        history = []
+        while time.monotonic() - t0 < args.duration:                      # 1. identification
+            time.sleep(min(1.0, args.duration - (time.monotonic() - t0)))
+            faults = graph.faults() if hasattr(graph, "faults") else {}
+            if faults:
+                raise UserError(f"stopped: {faults}")
+            text, vals = D._status(graph, truth, est_names, t0_ros, time.monotonic() - t0, nominal_err)
+            history.append(vals)
+            progress.line(text)
+        progress.line(text, final=True)
+        t_ident_end = controller.now_s()
+        phases = {"identified": _control_phase(graph, controller, probe, "identified", target, progress,
+                                               "identified model")}                              # 2.
+        progress.line("", final=True)
+        phases["nominal"] = _control_phase(graph, controller, probe, "nominal", target, progress,
+                                           "nominal model")                                      # 3.
+        progress.line("", final=True)
+        probe.target = None
+        duration = time.monotonic() - t0
+        stop_sources(graph)
+        drained = drain(graph, 20.0)
+
+        stamps, poses = _plate_pose_series(graph.monitor, true_structure.node_names, t0_ros)
+        scores = {k: _score(p, target, stamps, poses) for k, p in phases.items()}
+        hold = target.pose(np.linspace(0, TRACK_S, 601) + target.settle_s)
+        # NaN when the driver's diagnostics never arrived: then the health check fails as "no data"
+        driver_clamped = sum(p["marks"]["track_end"]["clamped"] - p["marks"]["track_start"]["clamped"]
+                             for p in phases.values())
+        plan_v = sum(s["plan_violations"] for s in scores.values())
+        solve_all = np.concatenate([p["solve_s"] for p in phases.values()]) * 1e3
+        control = {
+            "identified": scores["identified"], "nominal": scores["nominal"],
+            "ratio_identified_to_nominal": scores["identified"]["rmse_mm"] / scores["nominal"]["rmse_mm"]
+            if scores["nominal"]["rmse_mm"] > 0 else math.nan,
+            "solve_ms_p50": float(np.percentile(solve_all, 50)) if solve_all.size else math.nan,
+            "solve_ms_p99": float(np.percentile(solve_all, 99)) if solve_all.size else math.nan,
+            "controller_rate_hz": min(scores["identified"]["controller_rate_hz"],
+                                      scores["nominal"]["controller_rate_hz"]),
+            "limit_violations": {"plan_points": plan_v, "driver_clamped": driver_clamped,
+                                 "total": plan_v + driver_clamped},
+            "open_loop_reference": _open_loop_reference(stamps, poses, t_ident_end),
+            "hold_at_start_rmse_mm": _rms(np.linalg.norm(hold[:, :3] - hold[0, :3], axis=1)) * 1e3,
+            "target": target.as_dict(),
+            "identification_s": float(args.duration),
+            "probe_error": probe.error,          # "" unless the target publisher / plan checker failed
+        }
+        sys.stderr.write("tensegrity demo --controller: writing the summary, report and bag...\n")
+        with atomic_output(args.out, "dir", force=force, flag="--out") as tmp:
+            summary = D._summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_ros, tmp,
+                                   history)
+            summary["control"] = control
+            worse = summary.get("accepted_worse_than_previous", 0)
+            health = graph_health(graph, duration, {"accepted_worse_than_previous": worse, **control_figures(control)},
+                                  sections=("graph", "demo", "control"))
+            summary["health"] = health.as_dict()
+            D._report(graph, summary, truth, nom, est_names, t0_ros, tmp, nominal, true_structure)
+            runs = {}
+            for k, p in phases.items():
+                rel, _, _ = tracking_errors(stamps, poses, target, p["t0"], (0.0, TRACK_S))
+                keep = (stamps - p["t0"] - target.settle_s >= 0) & (stamps - p["t0"] - target.settle_s <= TRACK_S)
+                runs[k] = (rel, poses[keep])
+            plot = _plot(tmp / "control_tracking.png", target, runs)
+            with open(tmp / "report.md", "a") as f:
+                f.write("\n" + "\n".join(_report_lines(control, plot)) + "\n")
+            if not args.no_bag:
+                D._write_bag(graph, tmp / "bag")
+                summary["bag"] = str(out / "bag")
+            (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
+            (tmp / D.MARKER).write_text("written by `tensegrity demo`: the next demo may replace this folder\n")
+        for line in _report_lines(control, None, console=True):
+            sys.stderr.write(line + "\n")
+        for name, f in summary["health"]["figures"].items():
+            rel = ">=" if f["op"] == "min" else "<="
+            sys.stderr.write(f"  {'ok  ' if f['pass'] else 'FAIL'} {name} = {format_value(f['value'], f['unit'])} "
+                             f"(threshold {rel} {format_value(f['threshold'], f['unit'])})\n")
+        sys.stderr.write(f"tensegrity demo --controller: wrote {out / 'summary.json'}, {out / 'report.md'}\n")
+        print(health.verdict() + ("" if health.healthy else f" (exit {EXIT_DEGRADED})"), flush=True)
+        return 0 if health.healthy else EXIT_DEGRADED
+    finally:
+        graph.shutdown()
+
+
+def _report_lines(c: dict, plot: Optional[Path], console: bool = False) -> List[str]:
+    i, n, o = c["identified"], c["nominal"], c["open_loop_reference"]
+    t = c["target"]
+    rows = [("plate position RMSE [mm]", f"{i['rmse_mm']:.2f}", f"{n['rmse_mm']:.2f}"),
+            ("plate position max error [mm]", f"{i['max_error_mm']:.2f}", f"{n['max_error_mm']:.2f}"),
+            ("plate angle RMSE [deg]", f"{i['angle_rmse_deg']:.3f}", f"{n['angle_rmse_deg']:.3f}"),
+            ("controller rate [Hz]", f"{i['controller_rate_hz']:.1f}", f"{n['controller_rate_hz']:.1f}"),
+            ("solve p50 / p99 [ms]", f"{i['solve_ms_p50']:.1f} / {i['solve_ms_p99']:.1f}",
+             f"{n['solve_ms_p50']:.1f} / {n['solve_ms_p99']:.1f}"),
+            ("holds (cycles without a solve)", str(i["holds"]), str(n["holds"])),
+            ("plan points over limits / rate", str(i["plan_violations"]), str(n["plan_violations"])),
+            ("parameter set", str(i["parameter_set_id"]), "nominal")]
+    head = (f"target: circle r {t['radius_mm']:.0f} mm, {t['period_s']:g} s per lap in {t['plane']} + pitch step "
+            f"{t['tilt_deg']:g} deg at {t['tilt_at_s']:g} s, {t['track_s']:g} s scored after {t['settle_s']:g} s "
+            f"settling; identified / nominal RMSE ratio {c['ratio_identified_to_nominal']:.2f}; driver clamps "
+            f"{c['limit_violations']['driver_clamped']}; holding the start point would score "
+            f"{c['hold_at_start_rmse_mm']:.1f} mm; open-loop sinusoids move the plate "
+            f"{o.get('plate_motion_rms_mm', math.nan):.1f} mm RMS ({o.get('plate_motion_peak_mm', math.nan):.1f} mm "
+            "peak)")
+    if console:
+        return ["tensegrity demo --controller: " + head] + [f"  {a:<34} identified {b:>14}   nominal {c_:>14}"
+                                                            for a, b, c_ in rows]
+    lines = ["## Control (tensegrity demo --controller)", "", head + ".", "",
+             "| figure | identified model | nominal model |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c_} |" for a, b, c_ in rows]
+    if plot:
+        lines += ["", f"![control]({plot.name})"]
+    return lines
