@@ -10,7 +10,8 @@ package.xml (rosdep), not here.
 from setuptools import find_packages, setup
 
 PACKAGE = "tensegrity_ros"
-NODES = ("dynamixel_driver", "mocap_ingest", "online_identifier", "state_predictor", "sim_robot", "plate_controller")
+NODES = ("dynamixel_driver", "mocap_ingest", "online_identifier", "state_predictor", "sim_robot", "plate_controller",
+         "visualizer")
 
 setup(
     name=PACKAGE,

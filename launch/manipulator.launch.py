@@ -6,15 +6,22 @@ state_predictor (see docs/nodes.md for the step-by-step set-up).
 Arguments: bus_config (config/hardware/manipulator_bus.yaml), model_file, reference_file, mocap_topic,
 record, bag_path (all but bus_config are passed on to graph.launch.py), controller (false): also start
 plate_controller; the driver follows its /tensegrity/motor_plan through its safety clamps (limits, rate limit,
-plan timeout: hold) once a target arrives on /tensegrity/plate_target (docs/control.md).
+plan timeout: hold) once a target arrives on /tensegrity/plate_target (docs/control.md); driver_autostart (true).
+
+The driver is a lifecycle node (managed: true): launch configures it (port opened, motors pinged and checked, torque
+off) and, once it is inactive, activates it (torque on, holding, loop running), the first time only. With
+driver_autostart:=false it waits: `ros2 lifecycle set /dynamixel_driver configure`, then `... activate`;
+`... deactivate` turns torque off again (docs/nodes.md).
 """
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, IncludeLaunchDescription
 from launch.conditions import IfCondition
 from launch.launch_description_sources import PythonLaunchDescriptionSource
 from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
-from launch_ros.actions import Node
+from launch_ros.actions import LifecycleNode, Node
 from launch_ros.substitutions import FindPackageShare
+
+from tensegrity_ros.lifecycle_launch import start_managed
 
 PACKAGE = "tensegrity_ros"
 
@@ -40,11 +47,15 @@ def generate_launch_description():
         DeclareLaunchArgument("bag_path", default_value="manipulator_run"),
         DeclareLaunchArgument("controller", default_value="false",
                               description="also start plate_controller (MPC of the top plate, docs/control.md)"),
+        DeclareLaunchArgument("driver_autostart", default_value="true",
+                              description="configure and activate the driver (torque on) at launch; false: "
+                                          "ros2 lifecycle set /dynamixel_driver configure, then activate"),
     ]
-    driver = Node(package=PACKAGE, executable="dynamixel_driver", name="dynamixel_driver", output="screen",
-                  parameters=[_config("dynamixel_driver.yaml"),
-                              {"bus_config": LaunchConfiguration("bus_config"), "model_file": model_file,
-                               "reference_file": reference_file}])
+    driver = LifecycleNode(package=PACKAGE, executable="dynamixel_driver", name="dynamixel_driver", namespace="",
+                           output="screen",
+                           parameters=[_config("dynamixel_driver.yaml"),
+                                       {"bus_config": LaunchConfiguration("bus_config"), "model_file": model_file,
+                                        "reference_file": reference_file, "managed": True}])
     graph = IncludeLaunchDescription(
         PythonLaunchDescriptionSource(_share("launch", "graph.launch.py")),
         launch_arguments={"model_file": model_file, "reference_file": reference_file,
@@ -53,4 +64,8 @@ def generate_launch_description():
     controller = Node(package=PACKAGE, executable="plate_controller", name="plate_controller", output="screen",
                       condition=IfCondition(LaunchConfiguration("controller")),
                       parameters=[_config("plate_controller.yaml"), {"model_file": model_file}])
-    return LaunchDescription(arguments + [driver, graph, controller])
+    # RViz markers on /tensegrity/markers (docs/viz.md: rviz2 -d config/tensegrity.rviz)
+    visualizer = Node(package=PACKAGE, executable="visualizer", name="visualizer", output="screen",
+                      parameters=[_config("visualizer.yaml"), {"model_file": model_file}])
+    return LaunchDescription(arguments + [driver, *start_managed(driver, LaunchConfiguration("driver_autostart")),
+                                          graph, controller, visualizer])

@@ -42,7 +42,8 @@ DEFAULT_MODEL = ROOT / "config" / "models" / "stacked_manipulator.yaml"
 DEFAULT_REFERENCE = ROOT / "config" / "references" / "seed_sinusoids.yaml"
 #: what a graph starts by default; NODE_ORDER adds the nodes started only when asked for (``plate_controller``:
 #: ``tensegrity demo --controller``, ``sim.launch.py controller:=true``)
-DEFAULT_NODES = ("sim_robot", "dynamixel_driver", "mocap_ingest", "online_identifier", "state_predictor")
+DEFAULT_NODES = ("sim_robot", "dynamixel_driver", "mocap_ingest", "online_identifier", "state_predictor",
+                 "visualizer")
 NODE_ORDER = DEFAULT_NODES + ("plate_controller",)
 
 
@@ -182,7 +183,9 @@ class GraphMonitor(C.LeanNode):
             tname = self.TOPIC_TYPES[topic]
             qos = C.LATCHED_QOS if topic == C.TOPICS["identified_parameters"] else (
                 C.PREDICTION_QOS if topic == C.TOPICS["predicted_states"] else
-                (C.DIAG_QOS if topic == C.TOPICS["diagnostics"] else C.STREAM_QOS))
+                (C.DIAG_QOS if topic == C.TOPICS["diagnostics"] else
+                 # motor states are published best effort (sensor data): a reliable reader would match nothing
+                 C.SENSOR_READER_QOS if topic == C.TOPICS["motor_states"] else C.STREAM_QOS))
             self.create_subscription(types[tname], topic, self._callback(topic, tname), qos, raw=True)
 
     def _callback(self, topic: str, tname: str):
@@ -441,6 +444,7 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
     from .nodes.sim_robot import SimRobotNode
     from .nodes.plate_controller import PlateControllerNode
     from .nodes.state_predictor import StatePredictorNode
+    from .nodes.visualizer import VisualizerNode
 
     cfg = config or GraphConfig()
     for f in (cfg.model_file, cfg.reference_file):
@@ -474,10 +478,11 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
         "online_identifier": common,
         "state_predictor": {**common, "reference_file": str(cfg.reference_file)},
         "plate_controller": common,
+        "visualizer": common,
     }
     classes = {"sim_robot": SimRobotNode, "dynamixel_driver": DynamixelDriverNode, "mocap_ingest": MocapIngestNode,
                "online_identifier": OnlineIdentifierNode, "state_predictor": StatePredictorNode,
-               "plate_controller": PlateControllerNode}
+               "plate_controller": PlateControllerNode, "visualizer": VisualizerNode}
     nodes: Dict[str, Node] = {}
     if cfg.executor not in ("single", "multi"):
         raise ValueError(f"executor {cfg.executor!r} (valid: single, multi)")

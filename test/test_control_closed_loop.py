@@ -135,7 +135,7 @@ def test_step_to_a_reachable_pose_with_the_true_model(plant):
 # 17.4 -> 35 mm. The bounds leave room for the other engineers' load on the timing-free loop (it is deterministic
 # apart from BLAS summation order).
 @pytest.mark.parametrize("input_model, disturbance, bound", [("ramp", "velocity", 0.6), ("hold", "velocity", 0.3),
-                                                             ("ramp", "off", None)])
+                                                             ("ramp", "none", None)])
 def test_step_with_a_model_20_percent_off(plant, input_model, disturbance, bound):
     s, core, omap = plant
     truth = perturb_structure(s, 0.2, seed=1, kinds=("stiffness",))

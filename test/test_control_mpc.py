@@ -124,7 +124,7 @@ def test_projection_is_exact():
     assert np.all(p >= lo) and np.all(p <= hi) and np.abs(d).max() <= 0.3 + 1e-15
 
 
-@pytest.mark.parametrize("integral_time_s, disturbance", [(0.0, "off"), (0.3, "off"), (0.0, "state")])
+@pytest.mark.parametrize("integral_time_s, disturbance", [(0.0, "none"), (0.3, "none"), (0.0, "state")])
 def test_steady_model_error_is_removed(integral_time_s, disturbance):
     """The true plant's gain is 30 % below the model's: plain MPC leaves a steady offset; integral action, or
     the disturbance estimate, drives it to zero."""
@@ -145,7 +145,7 @@ def test_steady_model_error_is_removed(integral_time_s, disturbance):
         u = res.plan[0]
         x = At @ x + Bt @ u
     err = np.abs(x - target).max()
-    if integral_time_s or disturbance != "off":
+    if integral_time_s or disturbance != "none":
         assert err < 1e-3, err
     else:
         assert err > 0.02, err                 # the offset the integral removes is really there

@@ -9,7 +9,10 @@ import textwrap
 #: (slow subprocess start-ups on a shared CPU, which may also be paused for minutes)
 TIMEOUT_S = 1200
 MODULES = ["tensegrity_ros.parameter_set", "tensegrity_ros.predict.jobs", "tensegrity_ros.predict",
-           "tensegrity_ros.ident.online"]
+           "tensegrity_ros.ident.online", "tensegrity_ros.viz.markers", "tensegrity_ros.viz.render"]
+#: the parts of the nodes' shared code that need no rclpy (their docstrings say so): importable without it
+NODE_MODULES = ["tensegrity_ros.nodes.params", "tensegrity_ros.nodes.stats", "tensegrity_ros.nodes.records",
+                "tensegrity_ros.nodes.cdr", "tensegrity_ros.nodes.convert"]
 
 
 def test_importing_the_core_does_not_import_rclpy():
@@ -19,6 +22,21 @@ def test_importing_the_core_does_not_import_rclpy():
         for module in {MODULES!r}:
             importlib.import_module(module)
             bad = sorted(m for m in sys.modules if m == "rclpy" or m.startswith(("rclpy.", "tensegrity_ros.nodes")))
+            assert not bad, (module, bad)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_rclpy_free_node_helpers_do_not_import_rclpy():
+    """Parameter specs, statistics, records, conversions and the CDR codec: no rclpy, and no node shell."""
+    code = textwrap.dedent(f"""
+        import importlib, sys
+        allowed = {{"tensegrity_ros.nodes"}} | set({NODE_MODULES!r})
+        for module in {NODE_MODULES!r}:
+            importlib.import_module(module)
+            bad = sorted(m for m in sys.modules if m == "rclpy" or m.startswith("rclpy.")
+                         or (m.startswith("tensegrity_ros.nodes") and m not in allowed))
             assert not bad, (module, bad)
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -55,6 +55,7 @@ def test_driver_refuses_commands_while_two_nodes_publish_and_resumes_with_one(rc
     from sensor_msgs.msg import JointState
 
     from conftest import spin_until, unique_name
+    from tensegrity_ros.nodes._common import SENSOR_READER_QOS   # the driver publishes best effort
     from tensegrity_ros.nodes.dynamixel_driver import DynamixelDriverNode
 
     threads_before = set(threading.enumerate())
@@ -69,7 +70,7 @@ def test_driver_refuses_commands_while_two_nodes_publish_and_resumes_with_one(rc
         ros_executor.add_node(n)
     try:
         states, diags = [], []
-        a.create_subscription(JointState, "/tensegrity/motor_states", states.append, 10)
+        a.create_subscription(JointState, "/tensegrity/motor_states", states.append, SENSOR_READER_QOS)
         a.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
         pub_a = a.create_publisher(JointState, COMMANDS_TOPIC, 10)
         b.create_publisher(JointState, COMMANDS_TOPIC, 10)

@@ -206,3 +206,71 @@ def test_configs_load_and_make_bus_emulated():
         resolve_actuators(real, [MotorSpec("x", 1, "xm430")])
     with pytest.raises(ValueError, match="unknown bus config keys"):
         BusConfig.from_dict({"bus": "real", "bogus": 1})
+
+
+def test_effort_is_newton_metres_where_the_torque_constant_is_known_else_amps():
+    """JointState.effort (issue 18 item 6): current x the e-Manual's stall torque / current (XM430-W350: 4.1 N·m at
+    2.3 A) when every motor's constant is known, else the Present Current in A for every motor; named either way."""
+    from tensegrity_ros.hardware.driver_core import PublisherCheck, driver_diagnostics
+    from tensegrity_ros.hardware.torque import effort_scale, torque_constant
+
+    assert torque_constant("XM430-W350") == pytest.approx(4.1 / 2.3)
+    assert torque_constant("l54-50-s290-r") is None
+    assert effort_scale(["xm430", "xm540"])[0] == "N.m"
+    unit, k = effort_scale(["xm430", "l54-50-s290-r"])      # one unknown: amps for all, never mixed units
+    assert unit == "A" and np.all(k == 1.0)
+
+    acts = (MotorSpec("a", 1, "xm430"), MotorSpec("b", 2, "xm430"))
+    emu = EmulatedBus([1, 2], {1: "xm430", 2: "xm430"}, baud=1_000_000)
+    bus = DynamixelBus(emu.port, 1_000_000, {1: "xm430", 2: "xm430"})
+    try:
+        core = DriverCore(bus, acts, command_source="hold")
+        assert core.effort_unit == "N.m" and core.stats.effort_unit == "N.m"
+        core.start()
+        emu.set_external_load(1, 1.0)
+        for _ in range(5):
+            states, stats = core.cycle()
+        assert states.currents[0] == pytest.approx(1.0, abs=0.05)
+        assert np.allclose(states.efforts, np.array(states.currents) * 4.1 / 2.3)
+        kv = dict(driver_diagnostics(stats, PublisherCheck(True, ()))[2])
+        assert kv["effort_unit"] == "N.m" and kv["torque"] == "on"
+    finally:
+        bus.close()
+        emu.stop()
+    # the manipulator's PRO motors: no torque constant, so current
+    pro_bus = DynamixelBus("/dev/null", 1_000_000, {a.motor_id: a.model for a in ACTS})   # never opened
+    assert DriverCore(pro_bus, ACTS).effort_unit == "A"
+
+
+def test_connect_enable_disable_reboot_and_the_service_rules(rig):
+    """The lifecycle steps of the core (configure / activate / deactivate, reboot) on the emulated registers, and the
+    pure rules of ~/set_torque and ~/reboot."""
+    from tensegrity_ros.hardware.driver_core import command_goals, reboot_refusal, torque_refusal
+
+    emu, bus = rig
+    core = DriverCore(bus, ACTS, command_source="hold")
+    core.connect()
+    assert core.connected and not core.torque_on and not any(emu.torque_enabled().values())
+    states, stats = core.cycle()                     # torque off: read only, no goal written
+    assert stats.state == "torque_off" and all(states.valid)
+    core.enable()
+    assert core.torque_on and all(emu.torque_enabled().values())
+    assert core.set_torque(False) == (True, "torque off: the motors are limp; their states are still published")
+    assert not any(emu.torque_enabled().values()) and bus.is_open
+    emu.inject_hardware_error(2, 0x04)               # overheating: enable refused, torque stays off
+    core.cycle()
+    ok, why = core.set_torque(True)
+    assert not ok and "HardwareError" in why and not any(emu.torque_enabled().values())
+    ok, msg = core.request_reboot("active")
+    assert ok and "rebooted" in msg and emu.register(2, "hardware_error_status") == 0
+    assert core.set_torque(True)[0] and all(emu.torque_enabled().values())
+    core.shutdown()
+    assert not core.connected and not any(emu.torque_enabled().values())
+
+    assert reboot_refusal("unconfigured", False, "none") and reboot_refusal("active", True, "following")
+    assert reboot_refusal("active", False, "following") is None and reboot_refusal("active", True, "stale") is None
+    assert torque_refusal("inactive", True) and torque_refusal("inactive", False) is None
+    assert torque_refusal("active", True) is None and torque_refusal("unconfigured", False)
+    assert command_goals(("m1", "m2"), ["m2", "x"], [0.5, 1.0]) == ({"m2": 0.5}, "")
+    assert command_goals(("m1", "m2"), [], [0.1, 0.2]) == ([0.1, 0.2], "")
+    assert command_goals(("m1", "m2"), [], [0.1])[0] is None and command_goals(("m1",), ["x"], [1.0])[0] is None

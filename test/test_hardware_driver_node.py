@@ -10,6 +10,7 @@ from sensor_msgs.msg import JointState  # noqa: E402
 from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402
 
 from conftest import spin_until  # noqa: E402
+from tensegrity_ros.nodes import _common as C  # noqa: E402
 from tensegrity_ros.nodes.dynamixel_driver import DynamixelDriverNode  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +30,7 @@ def test_node_topics_service_and_torque_off(rclpy_context, ros_executor, make_no
         assert all(emu.torque_enabled().values())
         probe = make_node("probe")
         states, diags = [], []
-        probe.create_subscription(JointState, "/tensegrity/motor_states", states.append, 10)
+        probe.create_subscription(JointState, "/tensegrity/motor_states", states.append, C.SENSOR_READER_QOS)
         probe.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
         pub = probe.create_publisher(JointState, "/tensegrity/motor_commands", 10)
 
@@ -126,3 +127,68 @@ def test_node_process_turns_torque_off_on_exit(how):
             proc.kill()
             proc.wait()
         emu.stop()
+
+
+@pytest.mark.timeout(90)
+def test_motor_states_sensor_qos_reach_best_effort_readers_at_80hz(rclpy_context, ros_executor, make_node):
+    """Sensor-data QoS on /tensegrity/motor_states (issue 18 item 6): for 3 s at 80 Hz, a best-effort reader with the
+    stream depth (C.SENSOR_READER_QOS, every reader of the graph) and one with the publisher's own shallow profile
+    (C.SENSOR_QOS) receive what the driver published, counted by DDS publication sequence number (the n-th message
+    published is number n); a reliable reader matches no best-effort writer: it gets nothing, which is why every
+    reader takes its profile from _common. ``states_qos_reliability: reliable`` serves the reliable reader too."""
+    node = _node(rclpy_context, command_source="hold")
+    ros_executor.add_node(node)
+    try:
+        probe = make_node("qos_probe")
+        seqs = {"reader": [], "shallow": [], "reliable": []}
+        for key, qos in (("reader", C.SENSOR_READER_QOS), ("shallow", C.SENSOR_QOS), ("reliable", C.STREAM_QOS)):
+            probe.create_subscription(JointState, "/tensegrity/motor_states",
+                                      lambda msg, info, k=key: seqs[k].append(info["publication_sequence_number"]),
+                                      qos)
+        assert spin_until(ros_executor, lambda: seqs["reader"] and seqs["shallow"], timeout=10.0)
+        spin_until(ros_executor, lambda: False, timeout=3.0)
+        node._stop.set()                                   # stop the source, then drain the queues
+        node._thread.join(timeout=5.0)
+        spin_until(ros_executor, lambda: False, timeout=1.0)
+        published = node.core.stats.cycles + 1            # + the state published at activation
+        counts = {k: (v[0], len(v)) for k, v in seqs.items() if v}
+        print(f"\n80 Hz: published {published}; (first sequence number, received) per reader: {counts}")
+        first, n = counts["reader"]
+        assert seqs["reader"] == list(range(first, published + 1)), "the best-effort reader lost messages"
+        assert n >= 0.25 * 80 * 3.0                        # 3 s at a quarter of the rate at least (a loaded machine)
+        first, n = counts["shallow"]
+        assert n >= 0.95 * (published + 1 - first), counts
+        assert not seqs["reliable"]
+    finally:
+        ros_executor.remove_node(node)
+        node.destroy_node()
+
+    node = _node(rclpy_context, command_source="hold", states_qos_reliability="reliable", states_qos_depth=50)
+    ros_executor.add_node(node)
+    try:
+        assert spin_until(ros_executor, lambda: len(seqs["reliable"]) > 10, timeout=10.0)
+    finally:
+        ros_executor.remove_node(node)
+        node.destroy_node()
+
+
+def test_sensor_qos_profiles_and_parameters():
+    """One owner of the sensor-stream profiles (nodes/_common.py): best effort, shallow publishers by default; every
+    reader best effort (matches either writer); the node parameters that choose the publisher's profile."""
+    from rclpy.qos import HistoryPolicy, ReliabilityPolicy
+
+    assert C.SENSOR_QOS.reliability == ReliabilityPolicy.BEST_EFFORT and C.SENSOR_QOS.depth == C.SENSOR_DEPTH <= 10
+    assert C.SENSOR_QOS.history == HistoryPolicy.KEEP_LAST
+    assert C.SENSOR_READER_QOS.reliability == ReliabilityPolicy.BEST_EFFORT
+    assert C.sensor_qos() is C.SENSOR_QOS
+    q = C.sensor_qos("reliable", 50)
+    assert q.reliability == ReliabilityPolicy.RELIABLE and q.depth == 50
+    for bad in (("bogus", 10), ("best_effort", 0), ("reliable", True)):
+        with pytest.raises(ValueError):
+            C.sensor_qos(*bad)
+    rel, depth = C.sensor_qos_params("states_qos", "/tensegrity/motor_states")
+    assert (rel.name, rel.default, depth.name, depth.default) == ("states_qos_reliability", "best_effort",
+                                                                  "states_qos_depth", C.SENSOR_DEPTH)
+    assert rel.problem("reliable") is None and rel.problem("sometimes") and depth.problem(0)
+    from tensegrity_ros.nodes.dynamixel_driver import PARAMS
+    assert {"states_qos_reliability", "states_qos_depth", "managed"} <= {s.name for s in PARAMS}

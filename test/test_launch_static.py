@@ -4,8 +4,9 @@
 * every file they reference (config/nodes, config/models, config/hardware, config/references, included
   launch files) exists;
 * every parameter they set (inline dicts and the ros__parameters of the YAML files, for the node name they
-  launch) is declared by that node (its module's PARAMS table; the driver's declarations are read from its
-  source);
+  launch) is declared by that node (its module's PARAMS table: every node declares its parameters through the
+  ParamSpec tables, none with its own declare_parameter calls);
+* the driver is a lifecycle node (managed) that the real robot's launch files configure and then activate;
 * every LaunchConfiguration is declared, every argument passed to an included file is declared there;
 * the record option is `ros2 bag record -s mcap -a`; every config/nodes/*.yaml only sets declared parameters;
 * no cross-talk with a real robot: sim/replay set ROS_DOMAIN_ID and ROS_AUTOMATIC_DISCOVERY_RANGE (launch
@@ -29,6 +30,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = sorted((ROOT / "launch").glob("*.launch.py"))
 ALWAYS_DECLARED = {"use_sim_time"}   # declared by rclpy itself
+NODE_ACTIONS = ("Node", "LifecycleNode")   # launch_ros actions that start one of our executables
 
 
 def _const(node) -> Optional[str]:
@@ -53,20 +55,10 @@ def setup_executables() -> Set[str]:
 
 
 def declared_parameters(executable: str) -> Set[str]:
-    """Parameter names a node declares: its module's PARAMS table, else its declare_parameter calls and
-    ("name", default, descriptor) tuples in its source (the driver)."""
+    """Parameter names a node declares: its module's PARAMS table (ParamSpec, nodes/_common.py)."""
     mod = importlib.import_module(f"tensegrity_ros.nodes.{executable}")
-    if hasattr(mod, "PARAMS"):
-        return {s.name for s in mod.PARAMS} | ALWAYS_DECLARED
-    names = set(ALWAYS_DECLARED)
-    for node in ast.walk(ast.parse(Path(mod.__file__).read_text())):
-        if isinstance(node, ast.Call) and _call_name(node) == "declare_parameter" and node.args:
-            names.add(_const(node.args[0]))
-        if isinstance(node, ast.Tuple) and len(node.elts) == 3 and _const(node.elts[0]) and \
-                isinstance(node.elts[2], ast.Call) and _call_name(node.elts[2]) == "_descriptor":
-            names.add(_const(node.elts[0]))
-    names.discard(None)
-    return names
+    assert hasattr(mod, "PARAMS"), f"{executable} has no PARAMS table (ParamSpec, nodes/_common.py)"
+    return {s.name for s in mod.PARAMS} | ALWAYS_DECLARED
 
 
 class LaunchFile:
@@ -131,7 +123,7 @@ def test_executables_exist(launch_files):
     scripts = {p.name for p in (ROOT / "scripts").iterdir()}
     seen = set()
     for lf in launch_files.values():
-        for c in lf.of("Node"):
+        for c in lf.of(*NODE_ACTIONS):
             assert lf.value(_kw(c, "package")) == "tensegrity_ros", lf.path.name
             exe = lf.value(_kw(c, "executable"))
             assert exe in exes, f"{lf.path.name}: executable {exe!r} is not a setup.py entry point {sorted(exes)}"
@@ -150,7 +142,7 @@ def test_referenced_files_exist(launch_files):
 
 def test_parameters_are_declared_by_the_nodes(launch_files):
     for lf in launch_files.values():
-        for c in lf.of("Node"):
+        for c in lf.of(*NODE_ACTIONS):
             exe, name = lf.value(_kw(c, "executable")), lf.value(_kw(c, "name"))
             declared = declared_parameters(exe)
             params = _kw(c, "parameters")
@@ -221,7 +213,7 @@ def test_mocap_topic_is_remappable(launch_files):
 
 # ---- no cross-talk with a real robot: simulated graphs run isolated, the real one does not ---------------------
 ISOLATION_VARS = ("ROS_DOMAIN_ID", "ROS_AUTOMATIC_DISCOVERY_RANGE")
-STARTERS = {"Node", "ExecuteProcess", "IncludeLaunchDescription", "TimerAction", "GroupAction"}
+STARTERS = {"Node", "LifecycleNode", "ExecuteProcess", "IncludeLaunchDescription", "TimerAction", "GroupAction"}
 
 
 class _Recorded:
@@ -246,8 +238,9 @@ class _StubModule(types.ModuleType):
 def _run_launch_file(path: Path, monkeypatch, environ: Dict[str, str]):
     """generate_launch_description() of a launch file with `launch`/`launch_ros` replaced by recorders and
     os.environ = environ (minus the isolation variables unless given): the actions, in order."""
-    for mod in ("launch", "launch.actions", "launch.conditions", "launch.launch_description_sources",
-                "launch.substitutions", "launch_ros", "launch_ros.actions", "launch_ros.substitutions"):
+    for mod in ("launch", "launch.actions", "launch.conditions", "launch.events", "launch.launch_description_sources",
+                "launch.substitutions", "launch_ros", "launch_ros.actions", "launch_ros.event_handlers",
+                "launch_ros.events", "launch_ros.events.lifecycle", "launch_ros.substitutions"):
         monkeypatch.setitem(sys.modules, mod, _StubModule(mod))
     for var in ISOLATION_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -341,3 +334,50 @@ def test_isolation_module_is_rclpy_free():
     assert {m.split(".")[0] for m in inside} <= {"launch"}, inside
     import tensegrity_ros.isolation                                                # launch is not installed here
     assert callable(tensegrity_ros.isolation.launch_actions)
+
+
+# ---- the driver is managed on the robot: configured, then activated, by the launch file ---------------------------
+def _flatten(actions):
+    """The actions with those inside TimerAction / GroupAction in place."""
+    out = []
+    for a in actions:
+        out.append(a)
+        if a.kind in ("TimerAction", "GroupAction"):
+            out += _flatten(a.kwargs.get("actions") or (a.args[0] if a.args else []))
+    return out
+
+
+@pytest.mark.parametrize("name", ["manipulator.launch.py", "sim.launch.py"])
+def test_the_driver_is_a_lifecycle_node_configured_then_activated(name, monkeypatch):
+    """A LifecycleNode with managed: true (torque stays off until activate), a configure event for it, and an
+    activate event on its configuring -> inactive transition, the first time only (a later deactivate or cleanup is
+    the operator's), both under the driver_autostart argument (default true)."""
+    from lifecycle_msgs.msg import Transition
+
+    actions = _flatten(_run_launch_file(ROOT / "launch" / name, monkeypatch, {}))
+    drivers = [a for a in actions if a.kwargs.get("executable") == "dynamixel_driver"]
+    assert [a.kind for a in drivers] == ["LifecycleNode"], drivers
+    driver = drivers[0]
+    assert driver.kwargs.get("namespace") == "" and driver.kwargs["name"] == "dynamixel_driver"
+    inline = [p for p in driver.kwargs["parameters"] if isinstance(p, dict)]
+    assert inline and all(p.get("managed") is True for p in inline)
+
+    def change_events(transition_id, entities):
+        return [a for a in entities if a.kind == "EmitEvent" and a.kwargs["event"].kind == "ChangeState"
+                and a.kwargs["event"].kwargs["transition_id"] == transition_id
+                and a.kwargs["event"].kwargs["lifecycle_node_matcher"].args == (driver,)]
+
+    def under_autostart(a):
+        cond = a.kwargs.get("condition")
+        return cond is not None and cond.kind == "IfCondition" and cond.args[0].args == ("driver_autostart",)
+
+    configure = change_events(Transition.TRANSITION_CONFIGURE, actions)
+    assert len(configure) == 1 and under_autostart(configure[0])
+    handlers = [a for a in actions if a.kind == "RegisterEventHandler" and a.args[0].kind == "OnStateTransition"]
+    assert len(handlers) == 1 and under_autostart(handlers[0])
+    on = handlers[0].args[0].kwargs
+    assert on["target_lifecycle_node"] is driver
+    assert (on["start_state"], on["goal_state"]) == ("configuring", "inactive")
+    assert on["handle_once"] is True and len(change_events(Transition.TRANSITION_ACTIVATE, on["entities"])) == 1
+    assert actions.index(handlers[0]) < actions.index(configure[0])   # listening before the configure is sent
+    assert _defaults(actions)["driver_autostart"] == "true"

@@ -1,8 +1,9 @@
-"""nodes/_common: message <-> array conversions (through real serialisation), the fast PredictedStates CDR
-codec against rclpy's, parameter specs and their run-time validation, drop counting."""
+"""nodes/_common and the modules behind it: message <-> array conversions (through real serialisation), the CDR
+codec (nodes/cdr.py) against rclpy's serialiser, parameter specs and their run-time validation, drop counting."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from rclpy.serialization import deserialize_message, serialize_message
 from conftest import unique_name
 from tensegrity_ros.msg import IdentifiedParameters, NodeStates, PredictedStates
 from tensegrity_ros.nodes import _common as C
+from tensegrity_ros.nodes import cdr
 
 
 def _ser(msg):
@@ -59,11 +61,11 @@ def test_prediction_cdr_equals_rclpy_serialisation():
     realized = np.r_[np.nan, np.abs(rng.normal(size=12)) * 1e-3]        # step 0 not scored yet: NaN
     pred = C.Prediction(1234.5678, 0.01, tuple(f"n{i}" for i in range(7)), rng.normal(size=(13, 7, 3)),
                         rng.normal(size=(13, 7, 3)), "set-3", "structure", realized)
-    fast = C.prediction_to_cdr(pred)
+    fast = cdr.prediction_to_cdr(pred)
     slow = serialize_message(C.prediction_to_msg(pred))
     assert len(fast) == len(slow)
     for data in (fast, slow):   # both decode the same, with rclpy and with the fast decoder
-        for got in (C.prediction_from_msg(deserialize_message(data, PredictedStates)), C.prediction_from_cdr(data)):
+        for got in (C.prediction_from_msg(deserialize_message(data, PredictedStates)), cdr.prediction_from_cdr(data)):
             np.testing.assert_array_equal(got.positions, pred.positions)
             np.testing.assert_array_equal(got.velocities, pred.velocities)
             assert got.node_names == pred.node_names and got.parameter_set_id == "set-3"
@@ -71,7 +73,7 @@ def test_prediction_cdr_equals_rclpy_serialisation():
             assert got.frame_id == "structure" and got.horizon_steps == 13
             np.testing.assert_array_equal(got.realized_error, realized)
     empty = C.Prediction(0.0, 0.01, (), np.zeros((0, 0, 3)), np.zeros((0, 0, 3)))
-    assert deserialize_message(C.prediction_to_cdr(empty), PredictedStates).horizon_steps == 0
+    assert deserialize_message(cdr.prediction_to_cdr(empty), PredictedStates).horizon_steps == 0
 
 
 def test_parameter_set_roundtrip():
@@ -173,37 +175,52 @@ def test_rolling_stats():
     assert s["n"] == 200 and s["p50"] == pytest.approx(150.5) and s["max"] == 200
 
 
+def test_the_facade_re_exports_the_codec():
+    for name in ("prediction_to_cdr", "prediction_from_cdr", "pose_array_to_cdr", "markers_from_cdr",
+                 "node_states_to_cdr", "sample_to_cdr", "node_states_from_cdr", "joint_state_from_cdr"):
+        assert getattr(C, name) is getattr(cdr, name)
+
+
 def test_fast_codecs_match_rclpy():
     from geometry_msgs.msg import PoseArray
     from sensor_msgs.msg import JointState
 
     rng = np.random.default_rng(2)
     m = rng.normal(size=(7, 3))
-    for data in (C.pose_array_to_cdr(5.25, m, "mocap"), serialize_message(C.markers_to_pose_array(5.25, m, "mocap"))):
-        t, got, frame = C.markers_from_cdr(data)
+    for data in (cdr.pose_array_to_cdr(5.25, m, "mocap"), serialize_message(C.markers_to_pose_array(5.25, m, "mocap"))):
+        t, got, frame = cdr.markers_from_cdr(data)
         assert t == pytest.approx(5.25) and frame == "mocap"
         np.testing.assert_array_equal(got, m)
-    msg = deserialize_message(C.pose_array_to_cdr(5.25, m, "mocap"), PoseArray)
+    msg = deserialize_message(cdr.pose_array_to_cdr(5.25, m, "mocap"), PoseArray)
     assert msg.poses[3].orientation.w == 1.0 and msg.poses[3].position.y == m[3, 1]
     P, V = rng.normal(size=(5, 3)), rng.normal(size=(5, 3))
     valid = np.array([1, 0, 1, 1, 0], bool)
     names = [f"n{i}" for i in range(5)]
-    for data in (C.node_states_to_cdr(3.0, names, P, V, valid, "structure", "x"),
+    for data in (cdr.node_states_to_cdr(3.0, names, P, V, valid, "structure", "x"),
                  serialize_message(C.node_states_to_msg(3.0, names, P, V, valid, "structure", "x"))):
-        for r in (C.node_states_from_cdr(data), C.node_states_from_msg(deserialize_message(data, NodeStates))):
+        for r in (cdr.node_states_from_cdr(data), C.node_states_from_msg(deserialize_message(data, NodeStates))):
             assert r.names == tuple(names) and r.frame_id == "structure" and r.stamp == 3.0
             np.testing.assert_array_equal(r.positions, P)
             np.testing.assert_array_equal(r.velocities, V)
             np.testing.assert_array_equal(r.valid, valid)
         assert deserialize_message(data, NodeStates).frame_note == "x"
+    sample = SimpleNamespace(stamp=4.0, names=tuple(names), positions=P, velocities=V, valid=valid,
+                             velocity_valid=np.array([1, 1, 0, 1, 1], bool), frame_id="structure")
+    fast, slow = cdr.sample_to_cdr(sample, "y"), serialize_message(C.sample_to_node_states(sample, "y"))
+    assert len(fast) == len(slow) and deserialize_message(fast, NodeStates).frame_note == "y"
+    a, b = cdr.node_states_from_cdr(fast), C.node_states_from_msg(deserialize_message(slow, NodeStates))
+    assert a.names == b.names and a.stamp == b.stamp == 4.0
+    for x, y in zip(a[2:5], b[2:5]):
+        np.testing.assert_array_equal(x, y)
+    assert np.isnan(a.velocities[2]).all() and not np.isnan(a.velocities[3]).any()
     js = C.joint_state_to_msg(2.0, ["a", "bb", "c"], [1.0, 2.0, 3.0], [0.1, 0.2, 0.3])
-    r = C.joint_state_from_cdr(serialize_message(js))
+    r = cdr.joint_state_from_cdr(serialize_message(js))
     assert r.names == ("a", "bb", "c") and r.stamp == 2.0
     np.testing.assert_array_equal(r.position, [1, 2, 3])
     np.testing.assert_array_equal(r.velocity, [0.1, 0.2, 0.3])
     assert np.isnan(r.effort).all()
     empty = serialize_message(JointState())
-    assert C.joint_state_from_cdr(empty).names == ()
+    assert cdr.joint_state_from_cdr(empty).names == ()
 
 
 def test_run_node_exits_cleanly_on_sigterm_and_refuses_bad_parameters(tmp_path):

@@ -1,6 +1,9 @@
 """mocap_ingest over real rclpy: unlabelled, shuffled markers of the MuJoCo twin of the stacked manipulator in a
 Y-up mocap frame in; labelled node states in the structure frame, plate frames C1 / C2 and diagnostics out;
-an occluded marker gives an invalid node (NaN), never an invented one; the transform refresh on request."""
+an occluded marker gives an invalid node (NaN), never an invented one; the transform refresh on request
+(std_srvs/Trigger). The TF tree: mocap -> structure on /tf_static (latched: the registration), structure -> c0,
+c1, c2 on /tf, its numbers against the registration and the twin's true mocap frame. The markers subscription's
+QoS: sensor data by default (a best-effort driver is heard), reliable on request."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,6 +18,8 @@ from tensegrity_ros.nodes.mocap_ingest import MocapIngestNode
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "config" / "models" / "stacked_manipulator.yaml"
+#: the rough mocap -> structure guess of config/nodes/mocap_ingest.yaml (OptiTrack's Y up)
+Y_UP = [1.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,7 @@ def twin_frames():
 
 def test_ingest_node_labels_markers_and_publishes_plates(rclpy_context, ros_executor, make_node, twin_frames):
     from geometry_msgs.msg import PoseArray, PoseStamped
-    from std_msgs.msg import Empty
+    from std_srvs.srv import Trigger
     from tensegrity_ros.frames import manipulator_frames
     from tensegrity_ros.msg import NodeStates
     from tensegrity_ros.bringup import yaml_parameters
@@ -44,7 +49,9 @@ def test_ingest_node_labels_markers_and_publishes_plates(rclpy_context, ros_exec
     from tensegrity_ros.twin.markers import MocapFrame, markers
 
     s, frames = twin_frames
-    params = {**yaml_parameters("mocap_ingest"), "model_file": str(MODEL), "diagnostics_period_s": 0.2}
+    # reliable: this test publishes 10 frames between two spins and counts every one
+    params = {**yaml_parameters("mocap_ingest"), "model_file": str(MODEL), "diagnostics_period_s": 0.2,
+              "mocap_qos_reliability": "reliable"}
     node = MocapIngestNode(unique_name("ingest"), context=rclpy_context,
                            parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
     ros_executor.add_node(node)
@@ -94,13 +101,14 @@ def test_ingest_node_labels_markers_and_publishes_plates(rclpy_context, ros_exec
             T = C.matrix_from_pose(got.pose)
             np.testing.assert_allclose(T[:3, 3], want[:3, 3], atol=4e-3)
             np.testing.assert_allclose(T[:3, :3], want[:3, :3], atol=1e-2)
-        # refresh on request (std_srvs/Trigger on a ROS machine; the Empty-topic fallback here)
-        from tensegrity_ros.nodes import mocap_ingest
-        if mocap_ingest.Trigger is None:
-            rp = probe.create_publisher(Empty, f"/{node.get_name()}/refresh_transform", 10)
-            assert spin_until(ros_executor, lambda: rp.get_subscription_count() >= 1, timeout=5)
-            rp.publish(Empty())
-            assert spin_until(ros_executor, lambda: node.refreshes == 1, timeout=5)
+        # refresh on request: the std_srvs/Trigger service
+        client = probe.create_client(Trigger, f"/{node.get_name()}/refresh_transform")
+        assert spin_until(ros_executor, client.service_is_ready, timeout=5)
+        future = client.call_async(Trigger.Request())
+        assert spin_until(ros_executor, future.done, timeout=5)
+        reply = future.result()
+        assert reply.success and reply.message.startswith("transform refreshed"), reply.message
+        assert node.refreshes == 1
         diags = []
         from diagnostic_msgs.msg import DiagnosticArray
         probe.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
@@ -113,3 +121,101 @@ def test_ingest_node_labels_markers_and_publishes_plates(rclpy_context, ros_exec
     finally:
         ros_executor.remove_node(node)
         node.destroy_node()
+
+
+def _matrix(tf) -> np.ndarray:
+    """4x4 of a geometry_msgs/TransformStamped."""
+    from geometry_msgs.msg import Point, Pose
+
+    t = tf.transform.translation
+    return C.matrix_from_pose(Pose(position=Point(x=t.x, y=t.y, z=t.z), orientation=tf.transform.rotation))
+
+
+def test_ingest_publishes_the_tf_tree(rclpy_context, ros_executor, make_node, twin_frames):
+    """mocap -> structure (/tf_static, latched: a subscriber that comes late still gets it) -> c0, c1, c2 (/tf):
+    the registration's numbers as the node holds them, and the chain against the twin's true mocap frame."""
+    from geometry_msgs.msg import PoseArray
+    from tf2_msgs.msg import TFMessage
+    from tensegrity_ros.frames import manipulator_frames
+    from tensegrity_ros.nodes.mocap_ingest import TF_STATIC_QOS, TF_STATIC_TOPIC
+    from tensegrity_ros.nodes.sim_robot import marker_node_indices
+    from tensegrity_ros.twin.markers import MocapFrame, markers
+
+    s, frames = twin_frames
+    frames = frames[:30]
+    node = MocapIngestNode(unique_name("ingest_tf"), context=rclpy_context, parameter_overrides=[
+        Parameter("model_file", value=str(MODEL)), Parameter("mocap_qos_reliability", value="reliable"),
+        Parameter("initial_transform", value=Y_UP)])
+    ros_executor.add_node(node)
+    try:
+        probe = make_node(unique_name("probe_tf"))
+        tf = []
+        probe.create_subscription(TFMessage, C.TOPICS["tf"], tf.append, C.STREAM_QOS)
+        pub = probe.create_publisher(PoseArray, C.TOPICS["markers"], C.STREAM_QOS)
+        assert spin_until(ros_executor, lambda: probe.count_subscribers(C.TOPICS["markers"]) >= 1, timeout=5)
+        frame, rng, idx = MocapFrame(), np.random.default_rng(1), marker_node_indices(s)
+        for t, P in frames:
+            pub.publish(C.markers_to_pose_array(1000.0 + t, markers(P, frame, noise_std=3e-4, rng=rng, indices=idx),
+                                                "optitrack"))
+            spin_until(ros_executor, lambda: False, timeout=0.01)
+        assert spin_until(ros_executor, lambda: node.frames == len(frames) and len(tf) >= len(frames) - 2, timeout=10)
+        # /tf: structure -> c0, c1, c2 each frame, the plates of the labelled nodes
+        last = {x.child_frame_id: x for x in tf[-1].transforms}
+        assert set(last) == {"c0", "c1", "c2"}
+        assert all(x.header.frame_id == "structure" for x in last.values())
+        truth = dict(zip(("c0", "c1", "c2"), manipulator_frames(frames[-1][1], s.node_names)))
+        for name, x in last.items():
+            np.testing.assert_allclose(_matrix(x), truth[name], atol=1e-2)
+        # /tf_static, subscribed only now: the latched registration mocap -> structure
+        static = []
+        probe.create_subscription(TFMessage, TF_STATIC_TOPIC, static.append, TF_STATIC_QOS)
+        assert spin_until(ros_executor, lambda: len(static) >= 1, timeout=5)
+        (reg,) = static[-1].transforms
+        assert (reg.header.frame_id, reg.child_frame_id) == ("optitrack", "structure")
+        T_ms = _matrix(reg)
+        R, t = node.ingest.transform                       # x_structure = R x_mocap + t
+        np.testing.assert_allclose(T_ms[:3, :3], R.T, atol=1e-9)
+        np.testing.assert_allclose(T_ms[:3, 3], -R.T @ t, atol=1e-9)
+        # ... which is the twin's true mocap frame (structure pose in mocap), to the registration's accuracy
+        np.testing.assert_allclose(T_ms[:3, 3], frame.offset, atol=3e-3)
+        np.testing.assert_allclose(T_ms[:3, :3], frame.rotation, atol=3e-3)
+        # the chain mocap -> structure -> c1 puts the plate where the mocap saw it
+        np.testing.assert_allclose((T_ms @ _matrix(last["c1"]))[:3, 3], frame.to_mocap(truth["c1"][:3, 3]), atol=5e-3)
+    finally:
+        ros_executor.remove_node(node)
+        node.destroy_node()
+
+
+def test_mocap_qos_is_sensor_data_by_default(rclpy_context, ros_executor, make_node, twin_frames):
+    """Sensor-data QoS (a best-effort reader with a deep queue): a best-effort mocap driver is heard (a reliable
+    reader would hear nothing); ``reliable`` on request."""
+    from geometry_msgs.msg import PoseArray
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+    from tensegrity_ros.nodes.sim_robot import marker_node_indices
+    from tensegrity_ros.twin.markers import MocapFrame, markers
+
+    s, frames = twin_frames
+    node = MocapIngestNode(unique_name("ingest_qos"), context=rclpy_context, parameter_overrides=[
+        Parameter("model_file", value=str(MODEL)), Parameter("initial_transform", value=Y_UP)])
+    reliable = MocapIngestNode(unique_name("ingest_rel"), context=rclpy_context, parameter_overrides=[
+        Parameter("model_file", value=str(MODEL)), Parameter("mocap_qos_reliability", value="reliable")])
+    ros_executor.add_node(node)
+    try:
+        assert node.p["mocap_qos_reliability"] == "best_effort"
+        q = node.sub.qos_profile
+        assert q.reliability == ReliabilityPolicy.BEST_EFFORT and q.depth == C.STREAM_DEPTH   # C.SENSOR_READER_QOS
+        q = reliable.sub.qos_profile
+        assert q.reliability == ReliabilityPolicy.RELIABLE and q.depth == C.STREAM_DEPTH
+        probe = make_node(unique_name("probe_qos"))
+        pub = probe.create_publisher(PoseArray, C.TOPICS["markers"],
+                                     QoSProfile(depth=5, reliability=ReliabilityPolicy.BEST_EFFORT))
+        assert spin_until(ros_executor, lambda: pub.get_subscription_count() >= 1, timeout=5)
+        idx = marker_node_indices(s)
+        for t, P in frames[:5]:
+            pub.publish(C.markers_to_pose_array(t, markers(P, MocapFrame(), indices=idx), "mocap"))
+            spin_until(ros_executor, lambda: False, timeout=0.05)
+        assert spin_until(ros_executor, lambda: node.frames >= 3, timeout=5), node.frames
+    finally:
+        ros_executor.remove_node(node)
+        node.destroy_node()
+        reliable.destroy_node()

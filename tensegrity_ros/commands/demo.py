@@ -278,19 +278,26 @@ def run(args) -> int:
                 summary["bag"] = str(out / "bag")
             (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
             (tmp / MARKER).write_text("written by `tensegrity demo`: the next demo may replace this folder\n")
-        health = summary["health"]
-        sys.stderr.write(f"tensegrity demo: median parameter error {summary['median_param_error_pct']:.1f} % "
-                         f"(nominal {nominal_err:.1f} %), 1-s prediction RMSE {summary['prediction_rmse_mm']:.2f} mm, "
-                         f"{summary['dropped_messages']} messages not delivered; wrote {out / 'summary.json'}, "
-                         f"{out / 'report.md'}" + ("" if args.no_bag else f", {out / 'bag'}") + "\n")
-        for name, f in health["figures"].items():
-            rel = ">=" if f["op"] == "min" else "<="
-            sys.stderr.write(f"  {'ok  ' if f['pass'] else 'FAIL'} {name} = {format_value(f['value'], f['unit'])} "
-                             f"(threshold {rel} {format_value(f['threshold'], f['unit'])})\n")
-        print(health["verdict"] + ("" if health["healthy"] else f" (exit {EXIT_DEGRADED})"), flush=True)
-        return 0 if health["healthy"] else EXIT_DEGRADED
     finally:
-        graph.shutdown()
+        graph.shutdown()      # before the verdict: no node logs after the last line
+    health = summary["health"]
+    sys.stderr.write(f"tensegrity demo: median parameter error {summary['median_param_error_pct']:.1f} % "
+                     f"(nominal {nominal_err:.1f} %), 1-s prediction RMSE {summary['prediction_rmse_mm']:.2f} mm, "
+                     f"{summary['dropped_messages']} messages not delivered; wrote {out / 'summary.json'}, "
+                     f"{out / 'report.md'}" + ("" if args.no_bag else f", {out / 'bag'}") + "\n")
+    return report_health(health)
+
+
+def report_health(health: dict) -> int:
+    """Print a summary's ``health`` block, one figure per line, then the verdict as the LAST line (call it after
+    the graph is shut down, so that no node logs after it); returns the exit code (0 healthy, 3 degraded)."""
+    for name, f in health["figures"].items():
+        rel = ">=" if f["op"] == "min" else "<="
+        sys.stderr.write(f"  {'ok  ' if f['pass'] else 'FAIL'} {name} = {format_value(f['value'], f['unit'])} "
+                         f"(threshold {rel} {format_value(f['threshold'], f['unit'])})\n")
+    sys.stderr.flush()
+    print(health["verdict"] + ("" if health["healthy"] else f" (exit {EXIT_DEGRADED})"), flush=True)
+    return 0 if health["healthy"] else EXIT_DEGRADED
 
 
 def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_ros, out, history) -> dict:

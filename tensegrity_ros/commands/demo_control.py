@@ -308,7 +308,6 @@ def control_figures(control: dict) -> Dict[str, float]:
 def run(args) -> int:
     from ..bringup import NODE_ORDER, build_graph, drain, graph_health, stop_sources
     from ..engine import params_from_structure
-    from ..health import EXIT_DEGRADED, format_value
     from . import demo as D
     from ._common import atomic_output
 
@@ -419,17 +418,12 @@ def run(args) -> int:
                 summary["bag"] = str(out / "bag")
             (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
             (tmp / D.MARKER).write_text("written by `tensegrity demo`: the next demo may replace this folder\n")
-        for line in _report_lines(control, None, console=True):
-            sys.stderr.write(line + "\n")
-        for name, f in summary["health"]["figures"].items():
-            rel = ">=" if f["op"] == "min" else "<="
-            sys.stderr.write(f"  {'ok  ' if f['pass'] else 'FAIL'} {name} = {format_value(f['value'], f['unit'])} "
-                             f"(threshold {rel} {format_value(f['threshold'], f['unit'])})\n")
-        sys.stderr.write(f"tensegrity demo --controller: wrote {out / 'summary.json'}, {out / 'report.md'}\n")
-        print(health.verdict() + ("" if health.healthy else f" (exit {EXIT_DEGRADED})"), flush=True)
-        return 0 if health.healthy else EXIT_DEGRADED
     finally:
-        graph.shutdown()
+        graph.shutdown()      # before the verdict: no node logs after the last line
+    for line in _report_lines(control, None, console=True):
+        sys.stderr.write(line + "\n")
+    sys.stderr.write(f"tensegrity demo --controller: wrote {out / 'summary.json'}, {out / 'report.md'}\n")
+    return D.report_health(summary["health"])
 
 
 def _report_lines(c: dict, plot: Optional[Path], console: bool = False) -> List[str]:

@@ -70,7 +70,7 @@ class Status(str, Enum):
     FAILED = "failed"                               # non-finite inputs or no solver answer: hold
 
 
-DISTURBANCES = ("velocity", "state", "off")
+DISTURBANCES = ("velocity", "state", "none")   # not "off": YAML 1.1 reads a bare off as false
 INPUT_MODELS = ("ramp", "hold")
 
 
@@ -85,7 +85,7 @@ class MPCOptions:
     terminal_factor: weight multiple of the last step's tracking error;
     rate_scale_rad_s: a plan block moving at this speed costs 1 (inf: no rate cost);
     effort_scale_rad: an angle this far from the rest angle costs 1 per block (inf: no cost);
-    disturbance: "velocity" | "state" | "off", which state components carry the estimated constant disturbance;
+    disturbance: "velocity" | "state" | "none", which state components carry the estimated constant disturbance;
     disturbance_gain: fraction (0..1] of each cycle's disturbance correction applied (1: dead-beat, lower filters
     measurement noise); disturbance_rcond: relative singular-value cut-off of its least squares;
     input_model: "ramp" (the motors move linearly between the plan's knots, the driver's rate-limited goals; the

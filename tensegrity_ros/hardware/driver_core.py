@@ -6,10 +6,22 @@ sync-write them, and return a typed :class:`MotorStates` record plus :class:`Dri
 bus is a :class:`~.dynamixel.bus.DynamixelBus` on a real port or on the emulator's pty: the same
 SDK code path either way; :func:`make_bus` picks one from ``bus: real|emulated``.
 
+Lifecycle (the managed node's transitions map one to one): :meth:`DriverCore.connect` (configure: open the port,
+ping every motor, check its model number, position mode, first states; torque stays off), :meth:`~DriverCore.enable`
+(activate: refused while a motor reports a hardware error; holds the present angles, torque on),
+:meth:`~DriverCore.disable` (deactivate: torque off, the port stays open and ``cycle`` goes on reading: the motors
+are limp, their states still measured), :meth:`~DriverCore.shutdown` (cleanup / shutdown: torque off, port closed).
+:meth:`~DriverCore.start` is connect + enable (the plain node, ``run``). :meth:`~DriverCore.reboot` reboots every
+motor with torque off and re-checks them; :func:`reboot_refusal` says when a reboot is refused.
+
 Torque goes off on every exit path: :meth:`DriverCore.shutdown` (idempotent) is called by
 ``run()``'s ``finally``, by ``__exit__``, by the node's ``destroy_node``/signal handlers, and the
 bus itself has an ``atexit`` hook. A fatal condition inside ``cycle`` (hardware error with a
 shutdown bit, a motor missing) turns torque off *before* the typed error propagates.
+
+Effort: ``MotorStates.efforts`` is in N·m where every motor's torque constant is known
+(:mod:`.torque`: the e-Manual's stall torque / current), else the Present Current in A; ``DriverCore.effort_unit``
+and ``DriverStats.effort_unit`` name it ("N.m" or "A"), ``MotorStates.currents`` is always A.
 
 Angles: commands, limits and published states are motor angles in rad (0 = the control table's
 zero tick: 2048 on X, 0 on PRO), exactly the ``u`` of the string law in docs/CONTRACTS.md; the
@@ -43,10 +55,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .dynamixel.bus import DynamixelBus, MotorReading
-from .dynamixel.errors import HardwareError, MotorMissing
+from .dynamixel.errors import DynamixelError, HardwareError, ModelMismatch, MotorMissing
 from .dynamixel.tables import decode_hardware_error, get_table
-from .plan import Plan, plan_state
+from .plan import Plan, PlanError, plan_state
 from .safety import Action, SafetyConfig, SafetyFilter, State
+from .torque import effort_scale
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +76,11 @@ class MotorStates:
     motor_ids: Tuple[int, ...]
     positions: Tuple[float, ...]    # rad (last known value when not ``valid``)
     velocities: Tuple[float, ...]   # rad/s
-    efforts: Tuple[float, ...]      # A (Present Current)
+    efforts: Tuple[float, ...]      # N·m, or A where a torque constant is unknown (DriverCore.effort_unit)
     errors: Tuple[int, ...]         # Hardware Error Status bits
     valid: Tuple[bool, ...]         # False when the motor did not answer this cycle
     goals: Tuple[float, ...]        # goals written this cycle (rad)
+    currents: Tuple[float, ...] = ()   # A (Present Current)
 
 
 @dataclass
@@ -88,6 +102,8 @@ class DriverStats:
     plan_reason: str = ""             # why the plan is stale or ignored
     plans_received: int = 0
     plans_stale: int = 0              # times a followed plan went stale (each time the motors were held)
+    torque_on: bool = False
+    effort_unit: str = "A"            # of JointState.effort: "N.m" (torque constants known) or "A" (current)
 
 
 # ---- fixed-rate scheduler -------------------------------------------------------------------------
@@ -313,6 +329,18 @@ def check_command_publishers(publishers: Sequence[str], topic: str = COMMANDS_TO
                                         "refused until only one does")
 
 
+def command_goals(names: Sequence[str], msg_names: Sequence[str], positions: Sequence[float]
+                  ) -> Tuple[Optional[Union[Dict[str, float], List[float]]], str]:
+    """A /tensegrity/motor_commands JointState as :meth:`DriverCore.set_topic_command` goals: {name: rad} for the
+    names the driver knows, or the positions in actuator order when unnamed; (None, why) when it is ignored."""
+    if msg_names:
+        goals = {n: float(v) for n, v in zip(msg_names, positions) if n in names}
+        return (goals, "") if goals else (None, f"motor command names {list(msg_names)} match none of {list(names)}")
+    if len(positions) != len(names):
+        return None, f"unnamed motor command with {len(positions)} positions ignored: {len(names)} motors"
+    return [float(v) for v in positions], ""
+
+
 # ---- command sources ------------------------------------------------------------------------------------
 ReferenceFn = Callable[[float], Sequence[float]]
 
@@ -373,50 +401,178 @@ class DriverCore:
         self._vel = np.zeros(self._n)
         self._eff = np.zeros(self._n)
         self._goals = np.full(self._n, np.nan)
-        self.stats = DriverStats(command_source=command_source)
+        self._cur = np.zeros(self._n)
+        self.effort_unit, self._effort_scale = effort_scale([t.model for t in self.tables])
+        self.stats = DriverStats(command_source=command_source, effort_unit=self.effort_unit)
         self._cycle_times: List[float] = []
-        self._started = False
+        self._connected = False          # port open, motors checked (configure)
+        self._torque = False             # torque enabled by enable() (activate / ~/set_torque true)
         self._shut = False
+        self._io = threading.RLock()     # one bus sequence at a time: a cycle, enable, disable, reboot
 
     # ---- lifecycle ------------------------------------------------------------------------------
-    def start(self, now: Optional[float] = None, settle_reads: int = 5) -> MotorStates:
-        """Open the bus, set position mode, hold the present positions and enable torque."""
+    @property
+    def connected(self) -> bool:
+        """Configured: the port is open and the motors were checked."""
+        return self._connected and not self._shut and self.bus.is_open
+
+    @property
+    def torque_on(self) -> bool:
+        return self._torque
+
+    def connect(self, now: Optional[float] = None, settle_reads: int = 5) -> MotorStates:
+        """Configure: open the port, ping every motor and check its model number (typed errors: PortNotFound,
+        NoResponse, BaudMismatch, MotorMissing, ModelMismatch), torque off, position mode, read the first states.
+        Hardware error bits are recorded, not raised (:meth:`enable` refuses them; :meth:`reboot` clears them).
+        The port is closed again on any failure."""
         now = self.clock() if now is None else now
-        try:
+        with self._io:
+            try:
+                self._shut = False
+                if not self.bus.is_open:
+                    self.bus.open(check_hardware_errors=False)
+                if not self._torque:   # a motor may still hold torque from an earlier run
+                    self.bus.disable_torque(self.ids)
+                self.bus.set_operating_mode(self.operating_mode, self.ids)
+                readings = self._settle(settle_reads, "no state read at configure")
+                self._connected = True
+                self._update_from(readings)
+                self.stats.hardware_errors = dict(self.bus.hardware_errors)
+                self.stats.state = "torque_on" if self._torque else "torque_off"
+                return self._states(now, readings)
+            except BaseException:
+                self.shutdown()
+                raise
+
+    def enable(self, now: Optional[float] = None, settle_reads: int = 5) -> MotorStates:
+        """Activate / torque on: refused with HardwareError while a motor reports one (reboot it first); the goals
+        start at the present angles (no jump), then follow the command source (the reference restarts at t=0).
+        Torque is off again (port open) if anything fails."""
+        now = self.clock() if now is None else now
+        with self._io:
+            if not self.connected:
+                raise RuntimeError("DriverCore.connect() first (or it was shut down)")
+            try:
+                readings = self._settle(settle_reads, "no state read before torque on")
+                self.bus.read_hardware_errors(self.ids)
+                self.bus.raise_on_hardware_error()
+                present = np.array([readings[i].position_rad for i in self.ids])
+                self.safety.reset(present, now)
+                self._ref_t0 = now
+                self.bus.enable_torque(self.ids, hold_present=True)
+                self._torque = True
+                self._update_from(readings)
+                self._goals = self.safety.last_goal.copy()
+                self.stats.state, self.stats.torque_on = self.safety.state.value, True
+                return self._states(now, readings)
+            except BaseException:
+                try:
+                    self.disable()
+                except Exception:
+                    log.exception("torque off after a failed enable")
+                raise
+
+    def disable(self) -> List[int]:
+        """Deactivate / torque off; the port stays open and :meth:`cycle` goes on reading the (limp) motors.
+        Returns the ids where torque off was not confirmed."""
+        with self._io:
+            self._torque = False
+            self.stats.torque_on = False
+            if self.stats.state not in ("stopped", "shutdown"):
+                self.stats.state = "torque_off"
             if not self.bus.is_open:
-                self.bus.open()
-            self.bus.set_operating_mode(self.operating_mode, self.ids)
-            readings: Dict[int, MotorReading] = {}
-            for _ in range(settle_reads):
-                readings.update(self.bus.read_states())
-                if all(i in readings for i in self.ids):
-                    break
-            missing = [i for i in self.ids if i not in readings]
-            if missing:
-                raise MotorMissing(missing[0], "no state read at start")
-            self.bus.raise_on_hardware_error()
-            present = np.array([readings[i].position_rad for i in self.ids])
-            self.safety.reset(present, now)
-            self._ref_t0 = now
-            self.bus.enable_torque(self.ids, hold_present=True)
-            self._started = True
-            self._shut = False
-            self._update_from(readings)
-            self._goals = self.safety.last_goal.copy()
-            self.stats.state = self.safety.state.value
-            return self._states(now, readings)
+                return []
+            failed = self.bus.disable_torque(self.ids)
+            if failed:
+                log.error("torque off not confirmed on motor(s) %s: cut the motor power if they still hold", failed)
+            return failed
+
+    def start(self, now: Optional[float] = None, settle_reads: int = 5) -> MotorStates:
+        """connect + enable: open the bus, check the motors, hold the present positions and enable torque.
+        Torque off and the port closed on any failure."""
+        try:
+            self.connect(now, settle_reads)
+            return self.enable(now, settle_reads)
         except BaseException:
             self.shutdown()
             raise
+
+    def reboot(self) -> str:
+        """Torque off, REBOOT every motor, re-check them (ping, model number, position mode, hardware error status).
+        Torque stays off. Returns what was done; raises MotorMissing / ModelMismatch / HardwareError when a motor
+        does not come back clean. The caller decides whether a reboot is allowed now (:func:`reboot_refusal`)."""
+        with self._io:
+            if not self.connected:
+                raise RuntimeError("the port is closed: configure the driver first")
+            failed = self.disable()
+            if failed:
+                raise HardwareError(failed[0], 0, ("torque off not confirmed before the reboot",))
+            for i in self.ids:
+                self.bus.reboot(i)
+            found = self.bus.ping(self.ids)
+            for i in self.ids:
+                if i not in found:
+                    raise MotorMissing(i, "no answer to PING after REBOOT")
+                if found[i] != self.bus.tables[i].model_number:
+                    raise ModelMismatch(i, self.bus.tables[i].model_number, found[i])
+            self.bus.set_operating_mode(self.operating_mode, self.ids)
+            hw = self.bus.read_hardware_errors(self.ids)
+            self.stats.hardware_errors = dict(hw)
+            bad = next((i for i in self.ids if hw.get(i)), None)
+            if bad is not None:
+                raise HardwareError(bad, hw[bad], decode_hardware_error(hw[bad]))
+            if self.safety.state is State.STOPPED:   # a latched fault is cleared by a clean reboot
+                self.stats.state = "torque_off"
+            self.stats.last_error = ""
+            return (f"rebooted motors {list(self.ids)}: all answer with their model, no hardware error; "
+                    "torque is off")
+
+    def set_torque(self, on: bool, now: Optional[float] = None) -> Tuple[bool, str]:
+        """``~/set_torque`` once the lifecycle allows it (:func:`torque_refusal`): (success, what happened)."""
+        if on == self._torque:
+            return True, f"torque already {'on' if on else 'off'}"
+        try:
+            if on:
+                self.enable(now)
+                return True, f"torque on: holding the present angles, then command source {self.command_source}"
+            failed = self.disable()
+        except DynamixelError as e:
+            return False, error_text(e)
+        if failed:
+            return False, f"torque off not confirmed on motors {failed}: cut the motor power if they still hold"
+        return True, "torque off: the motors are limp; their states are still published"
+
+    def request_reboot(self, lifecycle_state: str) -> Tuple[bool, str]:
+        """``~/reboot``: refused as :func:`reboot_refusal` says, else :meth:`reboot`; (success, what happened)."""
+        why = reboot_refusal(lifecycle_state, self._torque, self.stats.plan_state)
+        if why is not None:
+            return False, "refused: " + why
+        try:
+            done = self.reboot()
+        except DynamixelError as e:
+            return False, "reboot failed, torque off: " + error_text(e)
+        then = "~/set_torque true" if lifecycle_state == "active" else "activate the driver"
+        return True, f"{done}; {then} to hold again"
+
+    def _settle(self, reads: int, why: str) -> Dict[int, MotorReading]:
+        readings: Dict[int, MotorReading] = {}
+        for _ in range(max(1, reads)):
+            readings.update(self.bus.read_states())
+            if all(i in readings for i in self.ids):
+                return readings
+        missing = [i for i in self.ids if i not in readings]
+        raise MotorMissing(missing[0], why)
 
     def shutdown(self) -> None:
         """Torque off and close the bus (idempotent; safe from any thread)."""
         if self._shut:
             return
         self._shut = True
+        self._torque = self.stats.torque_on = False
         try:
             self.bus.close()
         finally:
+            self._connected = False
             self.stats.state = "shutdown"
 
     def __enter__(self) -> "DriverCore":
@@ -458,6 +614,15 @@ class DriverCore:
         with self._lock:
             self._plan = Plan(times, angles, received)
             self.stats.plans_received += 1
+
+    def set_plan_from(self, t0: float, offsets, angles, now_ros: float) -> None:
+        """A plan message's times onto this core's clock: ``t0`` its stamp and ``now_ros`` the ROS time now (s),
+        ``offsets`` (K,) s from ``t0``; PlanError when it ended before it arrived."""
+        now = self.clock()
+        times = now + (float(t0) - float(now_ros)) + np.asarray(offsets, dtype=float)
+        if times[-1] < now:
+            raise PlanError(f"the plan ended {now - times[-1]:.2f} s before it arrived")
+        self.set_plan(times, angles, received=now)
 
     def set_reference(self, reference: ReferenceFn, now: Optional[float] = None) -> None:
         with self._lock:
@@ -526,14 +691,22 @@ class DriverCore:
 
     # ---- the cycle -------------------------------------------------------------------------------
     def cycle(self, now: Optional[float] = None) -> Tuple[MotorStates, DriverStats]:
-        """Read, compute safe goals, write. Raises typed DynamixelErrors after turning torque off."""
-        if not self._started or self._shut:
+        """Read, compute safe goals, write (torque off: read only). Raises typed DynamixelErrors after turning
+        torque off."""
+        with self._io:
+            return self._cycle(now)
+
+    def _cycle(self, now: Optional[float]) -> Tuple[MotorStates, DriverStats]:
+        if not self.connected:
             raise RuntimeError("DriverCore.start() first (or it was shut down)")
         now = self.clock() if now is None else now
         try:
             readings = self.bus.read_states()
             self.stats.read_failures = sum(1 for i in self.ids if i not in readings)
             self._update_from(readings)
+            if not self._torque:                # limp: the states are measured, no goal is written
+                self._note_cycle(now)
+                return self._states(now, readings), self._snapshot_stats()
             hw = {i: self.bus.hardware_errors.get(i, 0) for i in self.ids}
             with self._lock:  # the command source may be switched from another thread
                 target, stamp, check = self._target(now)
@@ -556,6 +729,7 @@ class DriverCore:
         return self._states(now, readings), self._snapshot_stats()
 
     def _emergency_off(self) -> None:
+        self._torque = self.stats.torque_on = False
         if self.safety.state is not State.STOPPED:
             self.safety.stop(self.stats.last_error or "exception")
         try:
@@ -572,14 +746,16 @@ class DriverCore:
         for k, i in enumerate(self.ids):
             r = readings.get(i)
             if r is not None:
-                self._pos[k], self._vel[k], self._eff[k] = r.position_rad, r.velocity_rad_s, r.current_a
+                self._pos[k], self._vel[k], self._cur[k] = r.position_rad, r.velocity_rad_s, r.current_a
+                self._eff[k] = r.current_a * self._effort_scale[k]
 
     def _states(self, now: float, readings: Mapping[int, MotorReading]) -> MotorStates:
         return MotorStates(
             stamp=now, names=self.names, motor_ids=self.ids, positions=tuple(float(x) for x in self._pos),
             velocities=tuple(float(x) for x in self._vel), efforts=tuple(float(x) for x in self._eff),
             errors=tuple(int(self.bus.hardware_errors.get(i, 0)) for i in self.ids),
-            valid=tuple(i in readings for i in self.ids), goals=tuple(float(x) for x in self._goals))
+            valid=tuple(i in readings for i in self.ids), goals=tuple(float(x) for x in self._goals),
+            currents=tuple(float(x) for x in self._cur))
 
     def _note_cycle(self, now: float) -> None:
         self.stats.cycles += 1
@@ -593,39 +769,54 @@ class DriverCore:
 
     def _snapshot_stats(self) -> DriverStats:
         s = self.stats
-        s.state = self.safety.state.value
+        s.state = self.safety.state.value if self._torque else "torque_off"
         s.motor_counters = {i: dict(vars(c)) for i, c in self.bus.counters.items()}
         s.safety_counters = dict(vars(self.safety.counters))
         s.hardware_errors = dict(self.bus.hardware_errors)
         return s
 
     # ---- loop ------------------------------------------------------------------------------------------
-    def run(self, duration_s: Optional[float] = None, stop_event: Optional[threading.Event] = None,
-            on_cycle: Optional[Callable[[MotorStates, DriverStats], None]] = None,
-            scheduler: Optional[RateScheduler] = None) -> DriverStats:
-        """Start (if needed) and run at ``rate_hz`` until ``duration_s`` or ``stop_event``; torque
-        off and bus closed on every way out."""
+    def loop(self, stop: threading.Event, on_cycle: Callable[[MotorStates, DriverStats], None],
+             on_stats: Optional[Callable[[DriverStats], None]] = None, stats_every_s: float = 1.0,
+             duration_s: Optional[float] = None, scheduler: Optional[RateScheduler] = None) -> DriverStats:
+        """Cycle at ``rate_hz`` (absolute deadlines) until ``stop`` is set or ``duration_s`` has passed:
+        ``on_cycle(states, stats)`` every cycle; the period statistics (median, p99, jitter over the window) and
+        ``on_stats(stats)`` every ``stats_every_s`` (the node: once a second, not every cycle: they were ~5 % of the
+        simulated robot's process at 80 Hz). Exceptions propagate, torque already off; the port stays open."""
         sched = scheduler or RateScheduler(self.rate_hz, clock=self.clock)
-        try:
-            if not self._started:
-                self.start()
-            t_end = None if duration_s is None else self.clock() + duration_s
-            sched.start()
-            while not (stop_event is not None and stop_event.is_set()):
-                now = sched.wait()
-                if t_end is not None and now >= t_end:
-                    break
-                states, stats = self.cycle(now)
-                stats.missed_cycles = sched.missed
+        t_end = None if duration_s is None else self.clock() + duration_s
+        last = -math.inf
+        sched.start()
+        while not stop.is_set():
+            now = sched.wait()
+            if stop.is_set() or (t_end is not None and now >= t_end):
+                break
+            states, stats = self.cycle(now)
+            stats.missed_cycles = sched.missed
+            due = now - last >= stats_every_s
+            if due:
+                last = now
                 summ = sched.summary()
                 stats.period_median_s, stats.period_p99_s = summ["period_median_s"], summ["period_p99_s"]
                 stats.jitter_p99_s = summ["jitter_p99_s"]
-                if on_cycle is not None:
-                    on_cycle(states, stats)
-        finally:
-            self.shutdown()
+            on_cycle(states, stats)
+            if due and on_stats is not None:
+                on_stats(stats)
         self.stats.missed_cycles = sched.missed
         return self.stats
+
+    def run(self, duration_s: Optional[float] = None, stop_event: Optional[threading.Event] = None,
+            on_cycle: Optional[Callable[[MotorStates, DriverStats], None]] = None,
+            scheduler: Optional[RateScheduler] = None) -> DriverStats:
+        """Start (if needed) and :meth:`loop` until ``duration_s`` or ``stop_event``, the statistics every cycle;
+        torque off and bus closed on every way out."""
+        try:
+            if not (self.connected and self._torque):
+                self.start()
+            return self.loop(stop_event or threading.Event(), on_cycle or (lambda states, stats: None),
+                             stats_every_s=0.0, duration_s=duration_s, scheduler=scheduler)
+        finally:
+            self.shutdown()
 
 
 # ---- what the node reports ----------------------------------------------------------------------------------
@@ -645,6 +836,8 @@ def driver_diagnostics(stats: DriverStats, check: PublisherCheck, refused_comman
         level, message = "error", f"stopped: {error or stats.last_error}"
     elif hw_bad or stats.read_failures or stats.state == "hold":
         level, message = "warn", f"state {stats.state}, read failures {stats.read_failures}"
+    elif stats.state == "torque_off":
+        level, message = "warn", "torque off: the motors are limp, states only (~/set_torque true to hold)"
     elif stats.plan_state == "stale":
         level, message = "warn", f"motor plan stale: {stats.plan_reason}"
     else:
@@ -662,7 +855,8 @@ def driver_diagnostics(stats: DriverStats, check: PublisherCheck, refused_comman
           ("command_publishers", ", ".join(check.publishers) or "none"),
           ("refused_commands", str(refused_commands)),
           ("plan_state", stats.plan_state), ("plan_reason", stats.plan_reason),
-          ("plans_received", str(stats.plans_received)), ("plans_stale", str(stats.plans_stale))]
+          ("plans_received", str(stats.plans_received)), ("plans_stale", str(stats.plans_stale)),
+          ("torque", "on" if stats.torque_on else "off"), ("effort_unit", stats.effort_unit)]
     for i, c in sorted(stats.motor_counters.items()):
         kv.append((f"motor_{i}", " ".join(f"{k}={v}" for k, v in c.items())))
     for i, b in sorted(stats.hardware_errors.items()):
@@ -672,6 +866,52 @@ def driver_diagnostics(stats: DriverStats, check: PublisherCheck, refused_comman
     if error is not None and getattr(error, "hint", None):
         kv.append(("hint", error.hint))
     return level, message, kv
+
+
+def publisher_change(prev: PublisherCheck, check: PublisherCheck, topic: str = COMMANDS_TOPIC
+                     ) -> Optional[Tuple[str, str]]:
+    """(log level "error" | "info", text) when the verdict on the command publishers changed, else None."""
+    if not check.accept and (prev.accept or prev.publishers != check.publishers):
+        return "error", check.reason
+    if check.accept and not prev.accept:
+        who = check.publishers[0] if check.publishers else "none"
+        return "info", f"topic commands on {topic} accepted again (publisher: {who})"
+    return None
+
+
+def error_text(e: BaseException) -> str:
+    """``Type: message. Hint: hint`` of a typed error (the hint when it has one)."""
+    hint = getattr(e, "hint", "")
+    return f"{type(e).__name__}: {getattr(e, 'message', e)}" + (f". Hint: {hint}" if hint else "")
+
+
+# ---- the torque and reboot services ---------------------------------------------------------------------------
+def reboot_refusal(lifecycle_state: str, torque_on: bool, plan_state: str) -> Optional[str]:
+    """Why ``~/reboot`` is refused now, or None to go ahead (torque off, reboot, re-check).
+
+    Refused while the port is closed (unconfigured: nothing to talk to) and while a motor plan is being followed
+    with torque on: a controller is moving the robot, and a reboot drops every motor's torque mid-motion. Turn torque
+    off first (``~/set_torque false``) or deactivate the node; a reboot with torque on otherwise (holding, reference,
+    topic) turns it off first, as ROBOTIS' hardware interface does.
+    """
+    if lifecycle_state in ("unconfigured", "finalized"):
+        return f"the driver is {lifecycle_state}: the port is closed; configure it first"
+    if torque_on and plan_state == "following":
+        return ("a motor plan is being followed with torque on: rebooting would drop the motors mid-motion; "
+                "turn torque off first (~/set_torque false) or deactivate the driver")
+    return None
+
+
+def torque_refusal(lifecycle_state: str, enable: bool) -> Optional[str]:
+    """Why ``~/set_torque`` is refused in this lifecycle state, or None. Torque follows the lifecycle: only an
+    active driver (its loop running, goals checked by the safety filter) may turn it on; off is always accepted
+    where the port is open."""
+    if lifecycle_state in ("unconfigured", "finalized"):
+        return f"the driver is {lifecycle_state}: the port is closed (torque is off); configure and activate it first"
+    if enable and lifecycle_state != "active":
+        return (f"the driver is {lifecycle_state}: torque goes on with the control loop; activate it "
+                "(ros2 lifecycle set <node> activate)")
+    return None
 
 
 def reference_function(path: str, actuators: Sequence) -> ReferenceFn:

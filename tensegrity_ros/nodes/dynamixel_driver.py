@@ -1,195 +1,280 @@
-"""ROS 2 shell over :class:`tensegrity_ros.hardware.driver_core.DriverCore`.
+"""ROS 2 shell over :class:`tensegrity_ros.hardware.driver_core.DriverCore`: a lifecycle (managed) node.
 
-Parameters (declared, validated at start; a bad value fails node creation with a clear message):
+Lifecycle (``managed: true``, set by the launch files, which configure and then activate it): configure opens the
+port, pings every motor and checks its model (torque stays off; a bad port / baud / id / model fails the transition
+with the typed error's hint); activate turns torque on holding the present angles (refused while a motor reports a
+hardware error) and starts the control loop; deactivate stops the loop and turns torque off (port open); cleanup
+and shutdown turn torque off and close the port. A loop fault (hardware error, motor missing) turns torque off and
+deactivates the node: ``~/reboot`` (or cleanup + configure), then activate. ``managed: false`` (the default:
+``tensegrity demo``, a bare ``ros2 run``) configures and activates itself at start and exits on a fault (status 1).
 
-- ``bus_config`` (str, ""): a bus YAML (``config/hardware/*.yaml``); its values become the defaults
-  of the parameters below, so ``-p`` overrides still win.
-- ``bus`` ("real" | "emulated"), ``port``, ``baud``: where the motors are. ``emulated`` starts an
-  :class:`~tensegrity_ros.hardware.dynamixel.emulator.EmulatedBus` on a pty (``port`` = optional
-  symlink) and talks to it through the same SDK code path.
-- ``rate_hz`` (80), ``watchdog_s``, ``max_rate`` (rad/s), ``ramp_s``.
-- ``model_file``: structure YAML; its actuators (name, motor_id, model, limits) are driven. Without
-  it the bus config's ``motors`` list is used.
-- ``reference_file``: reference YAML for ``command_source: reference``.
-- ``command_source``: reference | topic | hold | plan (switch at run time with the ``~/set_command_source``
-  service or by setting the parameter).
-- ``plan_timeout_s`` (0.25): a motor plan older than this is stale; ``plan_dt`` (0.01): step of a JointState plan.
+Parameters: :data:`PARAMS` (``bus_config``'s values are the defaults of bus, port, baud, rate_hz, watchdog_s, max_rate,
+ramp_s; ``-p`` overrides win); a bad start value fails node creation with every problem listed.
 
-Topics: publishes ``/tensegrity/motor_states`` (sensor_msgs/JointState: position rad, velocity
-rad/s, effort = motor current A) every cycle and ``/diagnostics`` (diagnostic_msgs/DiagnosticArray,
-1 Hz: loop rate, missed cycles, jitter, per-motor error counters, hardware errors); subscribes
-``/tensegrity/motor_commands`` (JointState: goal motor angles by name, rad).
+Topics: publishes ``/tensegrity/motor_states`` every cycle (JointState: position rad, velocity rad/s, effort N·m
+where every motor's torque constant is known (:mod:`~tensegrity_ros.hardware.torque`), else current A, named by the
+``effort_unit`` key of /diagnostics; sensor-data QoS, ``states_qos_*``) and ``/diagnostics`` (1 Hz); subscribes
+``/tensegrity/motor_commands`` (JointState goal angles, rad; one commander at a time) and ``/tensegrity/motor_plan``
+(JointTrajectory, followed through the safety clamps; a stale plan holds: :mod:`~tensegrity_ros.hardware.driver_core`).
 
-One commander at a time: while more than one node publishes ``/tensegrity/motor_commands`` (checked every
-second and whenever the publisher count changes), topic commands are refused
-(:func:`~tensegrity_ros.hardware.driver_core.check_command_publishers`): the motors keep the last accepted
-command until the watchdog holds them, a throttled warning names the nodes and ``/diagnostics`` reports
-ERROR (WARN when the command source is not ``topic``) with them under ``command_publishers``. Commands are
-taken again as soon as a single publisher remains.
+Services: ``~/set_torque`` (std_srvs/SetBool: on only while active, holding the present angles; off: limp, states
+still published), ``~/reboot`` (std_srvs/Trigger: torque off, reboot every motor, re-check; refused while
+unconfigured or while a plan is followed with torque on), ``~/set_command_source``; each answer says why.
 
-Motor plans: subscribes ``/tensegrity/motor_plan`` (trajectory_msgs/JointTrajectory where installed, else
-sensor_msgs/JointState with K x A positions ``plan_dt`` apart; :mod:`~tensegrity_ros.hardware.plan`). A fresh plan
-is followed through the safety clamps while the source is ``plan`` or ``reference`` (it preempts the reference);
-a stale one (``plan_timeout_s``) makes the driver hold the last safe goal, not return to the reference (why:
-:mod:`~tensegrity_ros.hardware.driver_core`), and /diagnostics says WARN with ``plan_state: stale`` and the reason.
-
-The control loop runs in its own thread on a :class:`RateScheduler` (absolute deadlines). Torque
-goes off in ``destroy_node``, on SIGINT/SIGTERM (handled here, not by rclpy) and on any exception
-in the loop (the node then reports ERROR in diagnostics and ``main`` exits with status 1).
-"""
+The loop runs in its own thread (:meth:`DriverCore.loop`). Torque goes off in every transition out of active, in
+``destroy_node``, on SIGINT/SIGTERM (``run_node``) and on any exception in the loop."""
 from __future__ import annotations
 
-import math
 import sys
 import threading
-from typing import Any, Dict, Optional, Sequence
+from dataclasses import replace
+from typing import Optional, Sequence, Tuple
 
-import rclpy
 from diagnostic_msgs.msg import DiagnosticArray
-from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, SetParametersResult
-from rclpy.qos import QoSProfile, ReliabilityPolicy, HistoryPolicy
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.lifecycle import LifecycleNodeMixin, TransitionCallbackReturn
+from rclpy.parameter import Parameter
 from sensor_msgs.msg import JointState
+from std_srvs.srv import SetBool, Trigger
+from trajectory_msgs.msg import JointTrajectory
 
 from ..hardware.driver_core import (COMMAND_SOURCES, COMMANDS_TOPIC, BusConfig, DriverCore, DriverStats, MotorStates,
-                                    PublisherCheck, RateScheduler, check_command_publishers, driver_diagnostics,
-                                    load_bus_config, make_bus, reference_function, resolve_actuators)
+                                    PublisherCheck, check_command_publishers, command_goals, driver_diagnostics,
+                                    error_text, load_bus_config, make_bus, publisher_change, reboot_refusal,
+                                    reference_function, resolve_actuators, torque_refusal)
 from ..hardware.dynamixel.bus import SDK_BAUDS
-from ..hardware.dynamixel.errors import DynamixelError
 from ..hardware.plan import PlanError, plan_from_message
-from ._common import TOPICS, LeanNode, diag_status
+from ._common import (TOPICS, LeanNode, ParamSpec, declare_parameters, diag_status, file_exists, joint_state_to_msg,
+                      sensor_qos, sensor_qos_params, spec_table)
 
 try:  # the custom service is generated by CMake (see docs/setup.md); fall back to the parameter
     from tensegrity_ros.srv import SetCommandSource
 except Exception:  # pragma: no cover - interfaces not built
     SetCommandSource = None
 
-STATES_TOPIC = "/tensegrity/motor_states"
+STATES_TOPIC = TOPICS["motor_states"]
 PUBLISHER_CHECK_PERIOD_S = 1.0   # how often the publishers of COMMANDS_TOPIC are listed
+_OK, _FAILED = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FAILURE
+
+PARAMS: Tuple[ParamSpec, ...] = (
+    ParamSpec("bus_config", "", "bus YAML whose values are the defaults of the other parameters", check=file_exists,
+              read_only=True),
+    ParamSpec("managed", False, "lifecycle node driven by a manager (the launch files); false: configure and "
+              "activate at start (tensegrity demo)", read_only=True),
+    ParamSpec("bus", "real", "real | emulated", choices=("real", "emulated"), read_only=True),
+    ParamSpec("port", "/dev/ttyUSB0", "serial device (real) or optional pty symlink (emulated)", read_only=True),
+    ParamSpec("baud", 1_000_000, f"baud rate, one of {SDK_BAUDS}", read_only=True,
+              check=lambda v: None if v in SDK_BAUDS else f"not a standard rate the SDK accepts: {SDK_BAUDS}"),
+    ParamSpec("rate_hz", 80.0, "control loop rate [Hz]", range=(1.0, 1000.0), read_only=True),
+    ParamSpec("model_file", "", "structure YAML with the actuators", check=file_exists, read_only=True),
+    ParamSpec("reference_file", "", "reference YAML for command_source=reference", check=file_exists, read_only=True),
+    ParamSpec("command_source", "hold", "reference | topic | hold | plan", choices=COMMAND_SOURCES),
+    ParamSpec("plan_timeout_s", 0.25, "motor plans older than this are stale: hold [s]", range=(0.001, 60.0),
+              read_only=True),
+    ParamSpec("plan_dt", 0.01, "step of a JointState motor plan [s]", range=(1e-4, 10.0), read_only=True),
+    ParamSpec("watchdog_s", 0.25, "topic commands older than this are ignored [s]", range=(0.001, 60.0),
+              read_only=True),
+    ParamSpec("max_rate", 1.0, "goal slew-rate limit [rad/s]", range=(0.001, 100.0), read_only=True),
+    ParamSpec("ramp_s", 1.0, "blend time after a command-source switch [s]", range=(0.0, 60.0), read_only=True),
+    *sensor_qos_params("states_qos", STATES_TOPIC),
+)
+#: parameter -> BusConfig field whose value (from bus_config) is the parameter's default
+_FROM_BUS_CONFIG = {"bus": "bus", "port": "port", "baud": "baud", "rate_hz": "rate_hz", "watchdog_s": "watchdog_s",
+                    "max_rate": "max_rate_rad_s", "ramp_s": "ramp_s"}
 
 
-def _descriptor(text: str, *, fmin: Optional[float] = None, fmax: Optional[float] = None,
-                imin: Optional[int] = None, imax: Optional[int] = None, read_only: bool = False) -> ParameterDescriptor:
-    d = ParameterDescriptor(description=text, read_only=read_only)
-    if fmin is not None:
-        d.floating_point_range = [FloatingPointRange(from_value=fmin, to_value=fmax, step=0.0)]
-    if imin is not None:
-        d.integer_range = [IntegerRange(from_value=imin, to_value=imax, step=0)]
-    return d
-
-
-class DynamixelDriverNode(LeanNode):
+class DynamixelDriverNode(LeanNode, LifecycleNodeMixin):
     DEFAULT_NAME = "dynamixel_driver"
 
     def __init__(self, node_name: str = DEFAULT_NAME, *, start: bool = True, **kwargs):
         super().__init__(node_name, **kwargs)
-        self._core: Optional[DriverCore] = None
-        self._emulator = None
+        self.core: Optional[DriverCore] = None
+        self.emulator = None   # the EmulatedBus of bus: emulated (configure starts it)
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
-        self.fault: Optional[BaseException] = None
-        self._last_diag = 0.0
-        self._last_stats: Optional[DriverStats] = None
+        self.fault: Optional[BaseException] = None         # plain mode: main() exits on it
+        self.loop_fault: Optional[BaseException] = None    # the last loop fault (both modes)
+        self.transition_error: Optional[BaseException] = None
         self._destroyed = False
-        self._publisher_check = PublisherCheck(True, ())
-        self._publisher_count = 0
-        self.refused_commands = 0
+        self._publisher_check, self._publisher_count = PublisherCheck(True, ()), 0
+        self.refused_commands = self.rejected_plans = 0
 
-        cfg_path = self.declare_parameter(
-            "bus_config", "", _descriptor("bus YAML whose values are the defaults of the other parameters",
-                                          read_only=True)).value
-        cfg = load_bus_config(cfg_path) if cfg_path else BusConfig()
-        p = self._declare_all(cfg)
-        self._validate(p)
-        self.config = BusConfig(bus=p["bus"], port=p["port"], baud=p["baud"], rate_hz=p["rate_hz"],
-                                watchdog_s=p["watchdog_s"], max_rate_rad_s=p["max_rate"], ramp_s=p["ramp_s"],
-                                retries=cfg.retries, missing_after=cfg.missing_after,
-                                fast_sync_read=cfg.fast_sync_read, latency_ms=cfg.latency_ms, motors=cfg.motors,
-                                emulator=cfg.emulator)
+        self.p = self._declare()
+        p = self.p
+        self.managed = bool(p["managed"])
+        cfg = self._bus_config
+        self.config = replace(cfg, bus=p["bus"], port=p["port"], baud=p["baud"], rate_hz=p["rate_hz"],
+                              watchdog_s=p["watchdog_s"], max_rate_rad_s=p["max_rate"], ramp_s=p["ramp_s"])
         actuators = None
         if p["model_file"]:
             from ..model import load_structure
 
             actuators = load_structure(p["model_file"]).actuators
         self.actuators = resolve_actuators(self.config, actuators)
-        reference = reference_function(p["reference_file"], self.actuators) if p["reference_file"] else None
-        if p["command_source"] == "reference" and reference is None:
+        self.names = tuple(a.name for a in self.actuators)
+        self._reference = reference_function(p["reference_file"], self.actuators) if p["reference_file"] else None
+        if p["command_source"] == "reference" and self._reference is None:
             raise ValueError("command_source 'reference' needs the reference_file parameter")
+        self.plan_dt = p["plan_dt"]
+        # the lifecycle services only where a manager drives the transitions (fewer entities for the demo's executor)
+        LifecycleNodeMixin.__init__(self, enable_communication_interface=self.managed)
 
-        bus, self._emulator = make_bus(self.config, self.actuators)
-        self._core = DriverCore(bus, self.actuators, rate_hz=p["rate_hz"], max_rate_rad_s=p["max_rate"],
-                                watchdog_s=p["watchdog_s"], ramp_s=p["ramp_s"], command_source=p["command_source"],
-                                reference=reference, emulator=self._emulator, plan_timeout_s=p["plan_timeout_s"])
-        self.names = self._core.names
-        self.plan_dt, self.rejected_plans = p["plan_dt"], 0
-
-        qos = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE, history=HistoryPolicy.KEEP_LAST)
-        self._pub_states = self.create_publisher(JointState, STATES_TOPIC, qos)
-        self._pub_diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-        self._sub = self.create_subscription(JointState, COMMANDS_TOPIC, self._on_command, qos)
-        try:
-            from trajectory_msgs.msg import JointTrajectory as plan_type
-        except ImportError:  # pragma: no cover - a ROS install without trajectory_msgs
-            plan_type = JointState
-        self._plan_sub = self.create_subscription(plan_type, TOPICS["motor_plan"], self._on_plan, 10)
+        self._pub_states = self.create_publisher(JointState, STATES_TOPIC,
+                                                 sensor_qos(p["states_qos_reliability"], p["states_qos_depth"]))
+        self._pub_diag = self.create_publisher(DiagnosticArray, TOPICS["diagnostics"], 10)
+        self._sub = self.create_subscription(JointState, COMMANDS_TOPIC, self._on_command, 10)
+        self._plan_sub = self.create_subscription(JointTrajectory, TOPICS["motor_plan"], self._on_plan, 10)
         self.refresh_command_publishers()
         self._publisher_timer = self.create_timer(PUBLISHER_CHECK_PERIOD_S, self.refresh_command_publishers)
-        self._srv = None
         if SetCommandSource is not None:
-            self._srv = self.create_service(SetCommandSource, "~/set_command_source", self._on_set_source)
+            self.create_service(SetCommandSource, "~/set_command_source", self._on_set_source)
         else:
             self.get_logger().warn("tensegrity_ros.srv not built: switch sources with the command_source parameter")
+        self.create_service(SetBool, "~/set_torque", self._on_set_torque)
+        self.create_service(Trigger, "~/reboot", self._on_reboot)
+        self._fault_gc = self.create_guard_condition(self._on_loop_fault) if self.managed else None
         self.add_on_set_parameters_callback(self._on_params)
-        if start:
+        if start and not self.managed:
             self.start()
 
     # ---- parameters -------------------------------------------------------------------------------
-    def _declare_all(self, cfg: BusConfig) -> Dict[str, Any]:
-        decl = [
-            ("bus", cfg.bus, _descriptor("real | emulated", read_only=True)),
-            ("port", cfg.port, _descriptor("serial device (real) or optional pty symlink (emulated)", read_only=True)),
-            ("baud", cfg.baud, _descriptor(f"baud rate, one of {SDK_BAUDS}", imin=9600, imax=4_000_000,
-                                           read_only=True)),
-            ("rate_hz", float(cfg.rate_hz), _descriptor("control loop rate [Hz]", fmin=1.0, fmax=1000.0,
-                                                        read_only=True)),
-            ("model_file", "", _descriptor("structure YAML with the actuators", read_only=True)),
-            ("reference_file", "", _descriptor("reference YAML for command_source=reference", read_only=True)),
-            ("command_source", "hold", _descriptor("reference | topic | hold | plan")),
-            ("plan_timeout_s", 0.25, _descriptor("motor plans older than this are stale: hold [s]", fmin=0.001,
-                                                 fmax=60.0, read_only=True)),
-            ("plan_dt", 0.01, _descriptor("step of a JointState motor plan [s]", fmin=1e-4, fmax=10.0,
-                                          read_only=True)),
-            ("watchdog_s", float(cfg.watchdog_s), _descriptor("topic commands older than this are ignored [s]",
-                                                              fmin=0.001, fmax=60.0, read_only=True)),
-            ("max_rate", float(cfg.max_rate_rad_s), _descriptor("goal slew-rate limit [rad/s]", fmin=0.001,
-                                                                fmax=100.0, read_only=True)),
-            ("ramp_s", float(cfg.ramp_s), _descriptor("blend time after a command-source switch [s]", fmin=0.0,
-                                                      fmax=60.0, read_only=True)),
-        ]
-        return {name: self.declare_parameter(name, default, desc).value for name, default, desc in decl}
-
-    @staticmethod
-    def _validate(p: Dict[str, Any]) -> None:
-        if p["bus"] not in ("real", "emulated"):
-            raise ValueError(f"parameter bus must be 'real' or 'emulated', got {p['bus']!r}")
-        if p["baud"] not in SDK_BAUDS:
-            raise ValueError(f"parameter baud={p['baud']} is not a standard rate the SDK accepts: {SDK_BAUDS}")
-        if p["command_source"] not in COMMAND_SOURCES:
-            raise ValueError(f"parameter command_source must be one of {COMMAND_SOURCES}")
+    def _declare(self):
+        """bus_config first: its values become the defaults of the other parameters."""
+        self._specs = spec_table(PARAMS)
+        path = declare_parameters(self, PARAMS[:1])["bus_config"]
+        self._bus_config = cfg = load_bus_config(path) if path else BusConfig()
+        specs = [replace(s, default=type(s.default)(getattr(cfg, _FROM_BUS_CONFIG[s.name])))
+                 if s.name in _FROM_BUS_CONFIG else s for s in PARAMS[1:]]
+        p = {"bus_config": path, **declare_parameters(self, specs)}
         if p["bus"] == "real" and not p["port"]:
             raise ValueError("parameter port is empty (e.g. /dev/ttyUSB0)")
-        for k in ("rate_hz", "watchdog_s", "max_rate", "plan_timeout_s", "plan_dt"):
-            if not (isinstance(p[k], (int, float)) and math.isfinite(p[k]) and p[k] > 0):
-                raise ValueError(f"parameter {k} must be a positive number, got {p[k]!r}")
+        return p
 
     def _on_params(self, params) -> SetParametersResult:
         for prm in params:
-            if prm.name == "command_source":
+            spec = self._specs.get(prm.name)
+            why = spec.problem(prm.value) if spec is not None else None
+            if why is None and prm.name == "command_source" and self.core is not None:
                 try:
-                    if self._core is not None:
-                        self._core.set_command_source(prm.value)
+                    self.core.set_command_source(prm.value)
                 except ValueError as e:
-                    return SetParametersResult(successful=False, reason=str(e))
+                    why = str(e)
+            if why:
+                return SetParametersResult(successful=False, reason=why)
+            if spec is not None:
+                self.p[prm.name] = prm.value
         return SetParametersResult(successful=True)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    @property
+    def lifecycle_state(self) -> str:
+        """unconfigured | inactive | active | finalized (or a transition state while one runs)."""
+        return self._state_machine.current_state[1]
+
+    def start(self) -> None:
+        """Plain mode: configure and activate now; the transition's error is raised (torque off, port closed)."""
+        for trigger, reached in ((self.trigger_configure, "inactive"), (self.trigger_activate, "active")):
+            trigger()
+            if self.lifecycle_state != reached:
+                self.stop()
+                raise self.transition_error or RuntimeError(f"the driver did not reach {reached}")
+
+    def _transition(self, what: str, fn) -> TransitionCallbackReturn:
+        try:
+            fn()
+        except Exception as e:
+            self.transition_error = e
+            self.get_logger().error(f"{what} failed: {error_text(e)}")
+            return _FAILED
+        self.transition_error = None
+        return _OK
+
+    def on_configure(self, state) -> TransitionCallbackReturn:
+        return self._transition("configure", self._configure)
+
+    def on_activate(self, state) -> TransitionCallbackReturn:
+        return self._transition("activate", self._activate)
+
+    def on_deactivate(self, state) -> TransitionCallbackReturn:
+        return self._transition("deactivate", self._deactivate)
+
+    def on_cleanup(self, state) -> TransitionCallbackReturn:
+        return self._transition("cleanup", self.stop)
+
+    def on_shutdown(self, state) -> TransitionCallbackReturn:
+        return self._transition("shutdown", self.stop)
+
+    def on_error(self, state) -> TransitionCallbackReturn:
+        self.stop()
+        return _OK
+
+    def _configure(self) -> None:
+        p = self.p
+        bus, self.emulator = make_bus(self.config, self.actuators)
+        try:
+            self.core = DriverCore(bus, self.actuators, rate_hz=p["rate_hz"], max_rate_rad_s=p["max_rate"],
+                                    watchdog_s=p["watchdog_s"], ramp_s=p["ramp_s"],
+                                    command_source=p["command_source"], reference=self._reference,
+                                    emulator=self.emulator, plan_timeout_s=p["plan_timeout_s"])
+            self.core.connect()
+        except BaseException:
+            self.stop()
+            raise
+        for w in bus.warnings:
+            self.get_logger().warn(w)
+        bad = {i: f"0x{b:02X}" for i, b in bus.hardware_errors.items() if b}
+        self.get_logger().info(f"configured: motors {dict(zip(self.names, self.core.ids))} on {bus.port} at {bus.baud} "
+                               f"baud ({self.config.bus}), torque off; effort in {self.core.effort_unit}"
+                               + (f"; hardware errors {bad}: call ~/reboot before activating" if bad else ""))
+
+    def _activate(self) -> None:
+        states = self.core.enable()
+        self.loop_fault = None
+        self._stop.clear()
+        self.get_logger().info(f"active: torque on, holding; command source {self.core.command_source}, "
+                               f"{self.core.rate_hz:g} Hz")
+        self._publish_states(states)
+        self._thread = threading.Thread(target=self._loop, name="dynamixel-loop", daemon=True)
+        self._thread.start()
+
+    def _deactivate(self) -> None:
+        self._join_loop()
+        self.core.disable()
+        self.get_logger().info("inactive: loop stopped, torque off")
+
+    def _on_loop_fault(self) -> None:
+        """Managed mode: the loop stopped on a fault (torque already off): deactivate, and say how to go on."""
+        if self.lifecycle_state == "active":
+            self.trigger_deactivate()
+            self.get_logger().error(f"deactivated after {type(self.loop_fault).__name__}: call ~/reboot (a hardware "
+                                    "error) or cleanup + configure (a motor missing), then activate")
+
+    # ---- services ----------------------------------------------------------------------------------
+    def _on_set_torque(self, request, response):
+        why = torque_refusal(self.lifecycle_state, request.data)
+        if why is not None:
+            response.success, response.message = False, "refused: " + why
+        elif self.core is None or not self.core.connected:
+            response.success, response.message = False, "refused: the port is closed"
+        else:
+            response.success, response.message = self.core.set_torque(bool(request.data))
+        return response
+
+    def _on_reboot(self, request, response):
+        core, state = self.core, self.lifecycle_state
+        if core is None or not core.connected:
+            response.success = False
+            response.message = "refused: " + (reboot_refusal(state, False, "none") or "the port is closed")
+        else:
+            response.success, response.message = core.request_reboot(state)
+        self.get_logger().info(f"~/reboot: {response.message}")
+        return response
+
+    def _on_set_source(self, request, response):
+        """The command_source parameter, set (checked and applied by :meth:`_on_params`)."""
+        res = self.set_parameters([Parameter("command_source", value=request.source)])[0]
+        response.success, response.message = res.successful, res.reason or f"command source: {request.source}"
+        return response
 
     # ---- one commander at a time ----------------------------------------------------------------------
     @property
@@ -201,19 +286,18 @@ class DynamixelDriverNode(LeanNode):
         """List the nodes publishing the command topic, decide, and log when the verdict changes."""
         topic = self._sub.topic_name
         infos = self.get_publishers_info_by_topic(topic)
-        names = [f"{i.node_namespace.rstrip('/')}/{i.node_name}" for i in infos]
-        check = check_command_publishers(names, topic)
-        prev, self._publisher_check, self._publisher_count = self._publisher_check, check, len(infos)
-        if not check.accept and (prev.accept or prev.publishers != check.publishers):
-            self.get_logger().error(check.reason)
-        elif check.accept and not prev.accept:
-            who = check.publishers[0] if check.publishers else "none"
-            self.get_logger().info(f"topic commands on {topic} accepted again (publisher: {who})")
+        check = check_command_publishers([f"{i.node_namespace.rstrip('/')}/{i.node_name}" for i in infos], topic)
+        change = publisher_change(self._publisher_check, check, topic)
+        self._publisher_check, self._publisher_count = check, len(infos)
+        if change is not None and change[0] == "error":   # two call sites: rclpy keys a logger call by its line
+            self.get_logger().error(change[1])
+        elif change is not None:
+            self.get_logger().info(change[1])
         return check
 
     # ---- ROS callbacks ----------------------------------------------------------------------------
     def _on_command(self, msg: JointState) -> None:
-        core = self._core
+        core = self.core
         if core is None:
             return
         if self.count_publishers(self._sub.topic_name) != self._publisher_count:   # cheap; names only on change
@@ -223,111 +307,50 @@ class DynamixelDriverNode(LeanNode):
             self.get_logger().warn(f"motor command ignored: {self._publisher_check.reason}",
                                    throttle_duration_sec=5.0)
             return
-        stamp = core.clock()
-        if msg.header.stamp.sec or msg.header.stamp.nanosec:  # drop commands that were already stale
-            sent_ns = msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec
-            age = (self.get_clock().now().nanoseconds - sent_ns) * 1e-9
-            if age > core.safety.config.watchdog_s:
-                return
-        if msg.name:
-            goals = {n: float(v) for n, v in zip(msg.name, msg.position) if n in self.names}
-            if not goals:
-                self.get_logger().warn(f"motor command names {list(msg.name)} match none of {list(self.names)}",
-                                       throttle_duration_sec=5.0)
-                return
-        else:
-            if len(msg.position) != len(self.names):
-                self.get_logger().warn("unnamed motor command with the wrong length ignored", throttle_duration_sec=5.0)
-                return
-            goals = [float(v) for v in msg.position]
+        stamp, sent = core.clock(), msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
+        if sent and self.get_clock().now().nanoseconds * 1e-9 - sent > core.safety.config.watchdog_s:
+            return   # already stale when it arrived
+        goals, why = command_goals(self.names, msg.name, msg.position)
+        if goals is None:
+            self.get_logger().warn(why, throttle_duration_sec=5.0)
+            return
         core.set_topic_command(goals, stamp)
 
     def _on_plan(self, msg) -> None:
         """A plan: its times onto the core's clock (offset taken now), then DriverCore.set_plan."""
-        core = self._core
+        core = self.core
         if core is None:
             return
         try:
-            t0, offsets, angles = plan_from_message(msg, self.names, self.plan_dt)
-            now_ros, now = self.get_clock().now().nanoseconds * 1e-9, core.clock()
-            times = now + (t0 - now_ros) + offsets
-            if times[-1] < now:
-                raise PlanError(f"the plan ended {now - times[-1]:.2f} s before it arrived")
-            core.set_plan(times, angles, received=now)
+            core.set_plan_from(*plan_from_message(msg, self.names, self.plan_dt),
+                               now_ros=self.get_clock().now().nanoseconds * 1e-9)
         except (PlanError, ValueError) as e:
             self.rejected_plans += 1
             self.get_logger().warn(f"motor plan refused: {e}", throttle_duration_sec=5.0)
 
-    def _on_set_source(self, request, response):
-        try:
-            self._core.set_command_source(request.source)
-            response.success, response.message = True, f"command source: {request.source}"
-        except ValueError as e:
-            response.success, response.message = False, str(e)
-        return response
-
     # ---- loop ------------------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Open the bus, enable torque and start the control thread."""
-        try:
-            states = self._core.start()
-        except BaseException as e:
-            if isinstance(e, DynamixelError):
-                self.get_logger().error(f"{type(e).__name__}: {e.message}. Hint: {e.hint}")
-            self._cleanup()
-            raise
-        bus = self._core.bus
-        for w in bus.warnings:
-            self.get_logger().warn(w)
-        self.get_logger().info(
-            f"{len(self.names)} motors {dict(zip(self.names, self._core.ids))} on {bus.port} at {bus.baud} baud "
-            f"({self.config.bus}); torque on, holding; command source {self._core.command_source}, "
-            f"{self._core.rate_hz:g} Hz")
-        self._publish_states(states)
-        self._thread = threading.Thread(target=self._loop, name="dynamixel-loop", daemon=True)
-        self._thread.start()
-
     def _loop(self) -> None:
-        core = self._core
-        sched = RateScheduler(core.rate_hz, clock=core.clock)
-        sched.start()
+        core = self.core
         try:
-            while not self._stop.is_set():
-                now = sched.wait()
-                if self._stop.is_set():
-                    break
-                states, stats = core.cycle(now)
-                stats.missed_cycles = sched.missed
-                self._last_stats = stats
-                self._publish_states(states)
-                if now - self._last_diag >= 1.0:
-                    self._last_diag = now
-                    # the period statistics (medians, percentiles over the window) once a second, not every
-                    # cycle: they were ~5 % of the simulated robot's process at 80 Hz
-                    summ = sched.summary()
-                    stats.period_median_s, stats.period_p99_s = summ["period_median_s"], summ["period_p99_s"]
-                    stats.jitter_p99_s = summ["jitter_p99_s"]
-                    self._publish_diagnostics(stats)
+            core.loop(self._stop, lambda states, stats: self._publish_states(states), self._publish_diagnostics)
         except BaseException as e:  # torque is already off (DriverCore turns it off before raising)
-            self.fault = e
-            hint = getattr(e, "hint", "")
-            self.get_logger().error(f"driver stopped, torque off: {type(e).__name__}: "
-                                    f"{getattr(e, 'message', e)}" + (f". Hint: {hint}" if hint else ""))
+            self.loop_fault = e
+            self.get_logger().error(f"driver stopped, torque off: {error_text(e)}")
             try:
                 self._publish_diagnostics(core.stats, error=e)
             except Exception:
                 pass
+            if self.managed:
+                self._fault_gc.trigger()
+            else:
+                self.fault = e
         finally:
-            core.shutdown()
+            if not self.managed:
+                core.shutdown()
 
     def _publish_states(self, s: MotorStates) -> None:
-        msg = JointState()
-        msg.header.stamp = self.get_clock().now().to_msg()
-        msg.name = list(s.names)
-        msg.position = [float(x) for x in s.positions]
-        msg.velocity = [float(x) for x in s.velocities]
-        msg.effort = [float(x) for x in s.efforts]
-        self._pub_states.publish(msg)
+        self._pub_states.publish(joint_state_to_msg(self.get_clock().now().nanoseconds * 1e-9, s.names, s.positions,
+                                                    s.velocities, s.efforts))
 
     def _publish_diagnostics(self, stats: DriverStats, error: Optional[BaseException] = None) -> None:
         level, message, kv = driver_diagnostics(stats, self._publisher_check, self.refused_commands, error)
@@ -339,29 +362,22 @@ class DynamixelDriverNode(LeanNode):
         self._pub_diag.publish(arr)
 
     # ---- teardown ----------------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Stop the loop thread and turn torque off (idempotent)."""
+    def _join_loop(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
-        self._cleanup()
 
-    def _cleanup(self) -> None:
-        if self._core is not None:
+    def stop(self) -> None:
+        """Loop stopped, torque off, port closed, emulator stopped (idempotent; cleanup, shutdown, errors,
+        destroy_node; a configure makes a new core)."""
+        self._join_loop()
+        if self.core is not None:
             try:
-                self._core.shutdown()
+                self.core.shutdown()
             except Exception as e:  # pragma: no cover
                 self.get_logger().error(f"torque off failed: {e}")
-        if self._emulator is not None:
-            self._emulator.stop()
-
-    @property
-    def emulator(self):
-        return self._emulator
-
-    @property
-    def core(self) -> Optional[DriverCore]:
-        return self._core
+        if self.emulator is not None:
+            self.emulator.stop()
 
     def destroy_node(self):
         if not self._destroyed:
@@ -371,7 +387,8 @@ class DynamixelDriverNode(LeanNode):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Spin the driver until SIGINT/SIGTERM (exit 0) or a fault (exit 1); torque goes off in destroy_node."""
+    """Spin the driver until SIGINT/SIGTERM (exit 0) or, unmanaged, a fault (exit 1); torque goes off in
+    destroy_node."""
     from ._common import run_node
 
     return run_node(DynamixelDriverNode, argv)

@@ -10,14 +10,18 @@ mocap driver's topic). Publishes, once per mocap frame:
   with NaN; a velocity not yet estimated is NaN;
 * ``/tensegrity/plate_c1``, ``/tensegrity/plate_c2`` (geometry_msgs/PoseStamped): the seed's plate frames
   (only while the plate's three nodes are seen);
-* ``/tf`` (tf2_msgs/TFMessage: ``frame_id`` -> ``c0``, ``c1``, ``c2``) when ``tf2_msgs`` is installed (a ROS
-  machine); the pip wheels here have no tf2_msgs, and the node then says so once and publishes PoseStamped
-  only.
+* ``/tf`` (tf2_msgs/TFMessage): ``frame_id`` -> ``c0``, ``c1``, ``c2`` (the plates), once per frame;
+* ``/tf_static`` (latched): the registration, ``mocap`` -> ``frame_id``, whenever it is found or changes (at
+  start, after a refresh). ``mocap`` is the markers' ``header.frame_id`` (``mocap_frame_id`` overrides it).
+  tf2_msgs has no pip wheel: ``make setup`` builds its TFMessage (docs/viz.md); a ROS machine has its own.
 
-Service ``~/refresh_transform`` (std_srvs/Trigger when std_srvs is installed; otherwise a
-std_msgs/Empty message on the topic ``~/refresh_transform`` does the same): re-fit the mocap -> structure
-transform on the fixed nodes. Diagnostics (1 Hz): registration, visible nodes, label residuals,
-frame rate, processing time p50/p99, input drops.
+The markers subscription is a sensor-data reader by default (``_common.SENSOR_READER_QOS``: best effort, so it
+matches best-effort and reliable mocap drivers alike, with a deep queue of its own, so a late executor loses
+nothing); ``mocap_qos_reliability: reliable`` asks for retransmission too (matches reliable drivers only).
+
+Service ``~/refresh_transform`` (std_srvs/Trigger): re-fit the mocap -> structure transform on the fixed nodes.
+Diagnostics (1 Hz): registration, visible nodes, label residuals, frame rate, processing time p50/p99, input
+drops.
 """
 from __future__ import annotations
 
@@ -27,7 +31,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 from geometry_msgs.msg import PoseArray, PoseStamped
-from std_msgs.msg import Empty
+from rclpy.qos import DurabilityPolicy, QoSProfile
+from std_srvs.srv import Trigger
+from tf2_msgs.msg import TFMessage
 
 from ..mocap import IngestConfig, KalmanConfig, LabellerConfig, MocapError, MocapIngest
 from ..model import load_structure
@@ -35,16 +41,12 @@ from . import _common as C
 from ._common import ParamSpec
 from tensegrity_ros.msg import NodeStates
 
-try:  # a ROS machine has them; the pip wheels used by `make setup` do not
-    from tf2_msgs.msg import TFMessage
-except ImportError:  # pragma: no cover - depends on the installation
-    TFMessage = None
-try:
-    from std_srvs.srv import Trigger
-except ImportError:  # pragma: no cover
-    Trigger = None
-
 _L, _K = LabellerConfig(), KalmanConfig()
+#: the markers subscription's QoS by ``mocap_qos_reliability``
+MOCAP_QOS = {"best_effort": C.SENSOR_READER_QOS, "reliable": C.STREAM_QOS}
+#: /tf_static as tf2's StaticTransformBroadcaster publishes it: latched, the last message only
+TF_STATIC_TOPIC = "/tf_static"
+TF_STATIC_QOS = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 
 PARAMS = (
     ParamSpec("model_file", "", "structure YAML (node names, bars, fixed nodes)", check=C.required_file,
@@ -53,9 +55,12 @@ PARAMS = (
     ParamSpec("initial_transform", [], "rough mocap->structure transform ([] | R row-major + t (12) | 4x4 "
               "row-major (16)); picks the labelling of a symmetric structure", check=C.transform_list,
               read_only=True, type_="double_array"),
-    ParamSpec("qos_reliability", "reliable", "QoS of the markers subscription (best_effort for mocap drivers "
-              "that publish best effort)", choices=("reliable", "best_effort"), read_only=True),
-    ParamSpec("publish_tf", True, "also publish c0/c1/c2 on /tf (needs tf2_msgs)"),
+    ParamSpec("mocap_qos_reliability", "best_effort", "QoS of the markers subscription: best_effort (sensor data: "
+              "matches any mocap driver) | reliable (retransmitted; matches reliable drivers only); keep last 1000",
+              choices=C.QOS_RELIABILITIES, read_only=True),
+    ParamSpec("mocap_frame_id", "", "parent frame of the registration on /tf_static ('' = the markers' "
+              "header.frame_id, 'mocap' where that is empty)", read_only=True),
+    ParamSpec("publish_tf", True, "publish the plates (c0/c1/c2) on /tf and the registration on /tf_static"),
     ParamSpec("gate_m", _L.gate_m, "tracking gate around each predicted node [m]", range=(1e-4, 1.0),
               read_only=True),
     ParamSpec("bar_tolerance_m", _L.bar_tolerance_m, "rigid-pair length tolerance [m]", range=(1e-4, 0.5),
@@ -109,19 +114,13 @@ class MocapIngestNode(C.GraphNode):
         self.pub_states = self.counting_publisher(NodeStates, C.TOPICS["node_states"], C.STREAM_QOS)
         self.pub_plates = {name: self.counting_publisher(PoseStamped, C.TOPICS[f"plate_{name.lower()}"],
                                                          C.STREAM_QOS) for name in ("C1", "C2")}
-        self.pub_tf = None
-        if TFMessage is not None:
-            self.pub_tf = self.create_publisher(TFMessage, C.TOPICS["tf"], C.STREAM_QOS)
-        elif p["publish_tf"]:
-            self.get_logger().info("tf2_msgs is not installed: plate frames go out as PoseStamped only "
-                                   f"({C.TOPICS['plate_c1']}, {C.TOPICS['plate_c2']})")
+        self.pub_tf = self.create_publisher(TFMessage, C.TOPICS["tf"], C.STREAM_QOS)
+        self.pub_tf_static = self.create_publisher(TFMessage, TF_STATIC_TOPIC, TF_STATIC_QOS)
+        self.registration_sent = None      # (R, t) last put on /tf_static
         self.markers_topic = C.TOPICS["markers"]
-        self.sub = self.subscribe(PoseArray, self.markers_topic, self._on_markers, C.stream_qos(p["qos_reliability"]),
-                                  raw=True)
-        if Trigger is not None:
-            self.srv = self.create_service(Trigger, "~/refresh_transform", self._on_refresh_srv)
-        else:
-            self.srv = self.subscribe(Empty, "~/refresh_transform", self._on_refresh_topic, 10, info=False)
+        self.sub = self.subscribe(PoseArray, self.markers_topic, self._on_markers,
+                                  MOCAP_QOS[p["mocap_qos_reliability"]], raw=True)
+        self.srv = self.create_service(Trigger, "~/refresh_transform", self._on_refresh_srv)
         self.timer = self.every(p["diagnostics_period_s"], self._diagnostics)
         self.get_logger().info(f"{self.structure.name}: {len(self.ingest.names)} marker nodes; waiting for "
                                f"markers on {self.sub.topic_name}")
@@ -146,11 +145,36 @@ class MocapIngestNode(C.GraphNode):
         self.last_sample = sample
         self.pub_states.publish(C.sample_to_cdr(sample))
         self._publish_plates(sample)
+        if self.p["publish_tf"]:
+            self._publish_registration(sample.stamp)
         self.proc_time.add(time.perf_counter() - t_in)
+
+    def registration_matrix(self) -> Optional[np.ndarray]:
+        """The structure frame's pose in the mocap frame (4x4), the inverse of the registration
+        x_structure = R x_mocap + t; None before one is found."""
+        tr = self.ingest.transform
+        if tr is None:
+            return None
+        R, t = tr
+        T = np.eye(4)
+        T[:3, :3] = R.T
+        T[:3, 3] = -R.T @ t
+        return T
+
+    def _publish_registration(self, stamp: float) -> None:
+        """mocap -> structure on /tf_static when the registration is new or has changed (latched)."""
+        tr = self.ingest.transform
+        if tr is None or (self.registration_sent is not None and all(
+                np.array_equal(a, b) for a, b in zip(tr, self.registration_sent))):
+            return
+        self.registration_sent = tr
+        parent = self.p["mocap_frame_id"] or self.mocap_frame or "mocap"
+        self.pub_tf_static.publish(TFMessage(transforms=[C.transform_stamped_from_matrix(
+            stamp, self.registration_matrix(), parent, self.p["frame_id"])]))
 
     def _publish_plates(self, sample) -> None:
         frame = self.p["frame_id"]
-        tf = self.pub_tf is not None and self.p["publish_tf"]
+        tf = self.p["publish_tf"]
         transforms = []
         for name, T in sample.plate_poses.items():
             if T is None:
@@ -179,12 +203,6 @@ class MocapIngestNode(C.GraphNode):
         except MocapError as e:
             response.success, response.message = False, str(e)
         return response
-
-    def _on_refresh_topic(self, _msg) -> None:
-        try:
-            self.get_logger().info(self.refresh_transform())
-        except MocapError as e:
-            self.get_logger().error(str(e))
 
     # ---- diagnostics ----------------------------------------------------------------------------------
     def _diagnostics(self) -> None:

@@ -152,7 +152,7 @@ class OnlineIdentifierNode(C.GraphNode):
 
         self.pub = self.counting_publisher(IdentifiedParameters, C.TOPICS["identified_parameters"], C.LATCHED_QOS)
         self.subscribe(NodeStates, C.TOPICS["node_states"], self._on_node_states, C.STREAM_QOS, raw=True)
-        self.subscribe(JointState, C.TOPICS["motor_states"], self._on_motor_states, C.STREAM_QOS, raw=True)
+        self.subscribe(JointState, C.TOPICS["motor_states"], self._on_motor_states, C.SENSOR_READER_QOS, raw=True)
         self.create_service(SaveParameters, "~/save_parameters", self._on_save)
         self.create_service(LoadParameters, "~/load_parameters", self._on_load)
         self.timer = self.every(p["update_period_s"], self._on_timer)

@@ -163,7 +163,7 @@ class StatePredictorNode(C.GraphNode):
 
         self.pub = self.counting_publisher(PredictedStates, C.TOPICS["predicted_states"], C.PREDICTION_QOS)
         self.subscribe(NodeStates, C.TOPICS["node_states"], self._on_node_states, C.STREAM_QOS, raw=True)
-        self.subscribe(JointState, C.TOPICS["motor_states"], self._on_motor_states, C.STREAM_QOS, raw=True)
+        self.subscribe(JointState, C.TOPICS["motor_states"], self._on_motor_states, C.SENSOR_READER_QOS, raw=True)
         self.subscribe(IdentifiedParameters, C.TOPICS["identified_parameters"], self._on_parameters, C.LATCHED_QOS,
                        info=False)
         self._plan_type = "JointState"

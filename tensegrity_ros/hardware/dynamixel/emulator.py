@@ -10,10 +10,17 @@ writes while torque is on (status error 0x07, access error), rejects goal positi
 position limits (0x06, data limit error) and follows its goal with first-order dynamics (time
 constant ``time_constant_s``) under a speed limit (``max_speed_rad_s``). Time is the wall clock
 (``clock="wall"``) plus any explicit :meth:`advance`, or only :meth:`advance` (``clock="manual"``).
+Moving is 1 while |Present Velocity| > Moving Threshold, as the e-manual defines it.
+
+Indirect addressing: every read and write path (READ/WRITE, REG_WRITE/ACTION, sync, bulk and the
+fast reads) resolves each Indirect Data byte to the byte its Indirect Address names, with that byte's
+rules (read-only, EEPROM lock, goal limits, torque value); an Indirect Address outside the RAM area is
+refused with a data range error (0x04).
 
 Instructions: PING (unicast and broadcast), READ, WRITE, REG_WRITE/ACTION, FACTORY_RESET, REBOOT,
-CLEAR, SYNC_READ, SYNC_WRITE, FAST_SYNC_READ (0x8A, X series only, like the real firmware),
-BULK_READ, BULK_WRITE. Status Return Level (0/1/2) is honoured.
+CLEAR (multi-turn reset: Result Fail while Moving, like the firmware), SYNC_READ, SYNC_WRITE,
+FAST_SYNC_READ (0x8A) and FAST_BULK_READ (0x9A) (X series only, like the real firmware), BULK_READ,
+BULK_WRITE. Status Return Level (0/1/2) is honoured.
 
 Injected faults (:class:`FaultConfig`, all off by default): drop a reply with some probability,
 corrupt a reply's CRC with some probability, a hardware error on some ids (sets Hardware Error
@@ -129,6 +136,15 @@ class _Motor:
         self.hw_error = 0
         self.registered = None
         self.set("goal_position", t.rad_to_ticks(self.goal))
+
+    def target(self, address: int) -> int:
+        """The byte an access to ``address`` really reaches: an Indirect Data byte stands for the byte
+        its Indirect Address holds. One level only: a pointer at an Indirect Data byte (the power-on
+        default points each one at itself) makes that byte plain storage."""
+        ptr = self.table.indirect_pointer(address)
+        if ptr is None:
+            return address
+        return self.mem[ptr] | (self.mem[ptr + 1] << 8)
 
     @property
     def torque_on(self) -> bool:
@@ -319,10 +335,15 @@ class EmulatedBus:
         self._integrate(m, self._now())
         t = m.table
         m.set("present_position", int(round(m.pos / t.rad_per_tick)) + t.zero_tick)
-        m.set("present_velocity", t.rad_s_to_velocity(m.vel))
+        vel = t.rad_s_to_velocity(m.vel)
+        m.set("present_velocity", vel)
         cur = m.external_load_a + self.current_per_rad_s * m.vel
         m.set("present_current", max(-32768, min(32767, t.amp_to_current(cur))))
-        m.set("moving", 1 if abs(m.vel) > 1e-3 else 0)
+        # e-manual Moving(122): 1 while |Present Velocity| > Moving Threshold (both in velocity units).
+        # Not "any velocity at all": the first-order approach leaves a creep of a few 1e-3 rad/s for a
+        # long time, and a real motor holding its position reads 0 here (so CLEAR is accepted). There
+        # is no profile generator, so the "profile in progress" clause never applies.
+        m.set("moving", 1 if abs(vel) > m.get("moving_threshold") else 0)
         m.set("hardware_error_status", m.hw_error)
         if "realtime_tick" in t.registers:
             m.set("realtime_tick", int(self._now() * 1000) % 32768)
@@ -491,7 +512,7 @@ class EmulatedBus:
                 P.ACTION: self._action, P.REBOOT: self._reboot, P.FACTORY_RESET: self._factory_reset,
                 P.CLEAR: self._clear, P.SYNC_READ: self._sync_read, P.SYNC_WRITE: self._sync_write,
                 P.FAST_SYNC_READ: self._fast_sync_read, P.BULK_READ: self._bulk_read,
-                P.BULK_WRITE: self._bulk_write,
+                P.BULK_WRITE: self._bulk_write, P.FAST_BULK_READ: self._fast_bulk_read,
             }.get(pkt.instruction)
             if handler is None:
                 if pkt.dxl_id != P.BROADCAST_ID:
@@ -512,34 +533,61 @@ class EmulatedBus:
         if length <= 0 or addr < 0 or addr + length > len(m.mem):
             return P.ERR_ACCESS, b""
         self._refresh(m)
-        return 0, bytes(m.mem[addr:addr + length])
+        data = bytearray(m.mem[addr:addr + length])
+        if m.table.overlaps_indirect_data(addr, length):
+            for k in range(length):
+                data[k] = m.mem[m.target(addr + k)]
+        return 0, bytes(data)
 
     def _do_write(self, m: _Motor, addr: int, data: bytes) -> int:
+        """Write ``data`` at ``addr`` with the device's rules; the status error (0 = written).
+
+        Nothing is written unless every byte is accepted: the checks run on the bytes as they will
+        land (an Indirect Data byte lands on the byte its Indirect Address names and inherits its
+        access rights, EEPROM lock and value checks, e-manual), then the whole write is applied."""
         n = len(data)
-        if n == 0 or addr < 0 or addr + n > len(m.mem) or not all(m.writable[addr:addr + n]):
+        if n == 0 or addr < 0 or addr + n > len(m.mem):
             return P.ERR_ACCESS
         t = m.table
-        if addr < t.eeprom_end and m.torque_on:
+        if t.overlaps_indirect_data(addr, n):
+            writes: Dict[int, int] = {}
+            for k in range(n):
+                writes[m.target(addr + k)] = data[k]
+        else:  # the common case (goals, torque): no byte to resolve
+            writes = dict(zip(range(addr, addr + n), data))
+        if not all(m.writable[a] for a in writes):
+            return P.ERR_ACCESS
+        if m.torque_on and any(a < t.eeprom_end for a in writes):
             self.stats.refused_eeprom_writes += 1
             return P.ERR_ACCESS
+
+        def after(a: int, size: int, signed: bool = False) -> Optional[int]:
+            """The value at [a, a + size) once this write is applied; None if the write misses it."""
+            if not any(a + i in writes for i in range(size)):
+                return None
+            return decode(bytes(writes.get(a + i, m.mem[a + i]) for i in range(size)), signed)
+
         self._integrate(m, self._now())
-        ga, gs = t.reg("goal_position")
         new_goal = None
-        if addr <= ga and ga + gs <= addr + n:
-            ticks = decode(data[ga - addr:ga - addr + gs], signed=True)
+        ticks = after(*t.reg("goal_position"), signed=True)
+        if ticks is not None:
             lo, hi = m.get("min_position_limit"), m.get("max_position_limit")
             if m.get("operating_mode") == t.position_mode and not lo <= ticks <= hi:
                 self.stats.rejected_goal_writes += 1
                 return P.ERR_DATA_LIMIT
             new_goal = t.ticks_to_rad(ticks)
-        ta = t.addr("torque_enable")
-        if addr <= ta < addr + n:
-            value = data[ta - addr]
-            if value > 1:
+        torque = after(*t.reg("torque_enable"))
+        if torque is not None:
+            if torque > 1:
                 return P.ERR_DATA_RANGE
-            if value == 1 and m.hw_error & m.get("shutdown"):
+            if torque == 1 and m.hw_error & m.get("shutdown"):
                 return P.ERR_RESULT_FAIL  # shut down: needs a REBOOT first
-        m.mem[addr:addr + n] = data
+        lo, hi = t.indirect_target_range
+        for slot in {t.indirect_address_slot(a) for a in writes} - {None}:
+            if not lo <= after(slot, 2) <= hi:
+                return P.ERR_DATA_RANGE  # only RAM addresses may be assigned (e-manual)
+        for a, b in writes.items():
+            m.mem[a] = b
         if new_goal is not None:
             m.goal = new_goal
         return 0
@@ -617,8 +665,31 @@ class EmulatedBus:
 
     def _clear(self, pkt: P.Packet) -> None:
         for m in self._targets(pkt.dxl_id):
+            err = self._clear_multi_turn(m, pkt.params)
             if pkt.dxl_id != P.BROADCAST_ID:
-                self._reply(m, P.ERR_RESULT_FAIL if abs(m.vel) > 1e-3 else 0, inst=P.CLEAR)
+                self._reply(m, err, inst=P.CLEAR)
+
+    def _clear_multi_turn(self, m: _Motor, params: bytes) -> int:
+        """CLEAR option 0x01: bring Present Position back within one turn; the status error.
+
+        The e-manual: only while the motor is stopped, else Result Fail; "stopped" is the Moving
+        register (|Present Velocity| <= Moving Threshold), so a motor told to hold its position is
+        accepted once it has settled. Other options / a wrong key get a data range error (the e-manual
+        does not say; the X firmware knows no other option). The goal moves by the same whole turns,
+        so the motor stays where it is instead of unwinding the turns it was cleared of."""
+        if bytes(params) != P.CLEAR_MULTI_TURN:
+            return P.ERR_DATA_RANGE
+        self._refresh(m)
+        if m.get("moving"):
+            return P.ERR_RESULT_FAIL
+        t = m.table
+        turns = (m.get("present_position") - t.position_range[0]) // t.ticks_per_rev
+        if turns:
+            m.pos -= turns * 2.0 * math.pi
+            m.goal -= turns * 2.0 * math.pi
+            m.set("goal_position", m.get("goal_position") - turns * t.ticks_per_rev)
+            self._refresh(m)
+        return 0
 
     def _sync_header(self, pkt: P.Packet) -> Optional[Tuple[int, int]]:
         if pkt.dxl_id != P.BROADCAST_ID or len(pkt.params) < 4:
@@ -642,24 +713,38 @@ class EmulatedBus:
         if hdr is None:
             return
         addr, length = hdr
-        ids = list(pkt.params[4:])
+        self._fast_read([(dxl_id, addr, length) for dxl_id in pkt.params[4:]])
+
+    def _fast_bulk_read(self, pkt: P.Packet) -> None:
+        if pkt.dxl_id != P.BROADCAST_ID:
+            return
+        body = pkt.params
+        self._fast_read([(body[k], decode(body[k + 1:k + 3]), decode(body[k + 3:k + 5]))
+                         for k in range(0, len(body) - 4, 5)])
+
+    def _fast_read(self, requests: Sequence[Tuple[int, int, int]]) -> None:
+        """Answer a Fast Sync Read or Fast Bulk Read, ``requests`` = [(id, address, length)] in packet
+        order, with one combined status packet (:func:`protocol.build_fast_read_status`)."""
         entries = []
-        for dxl_id in ids:
+        for dxl_id, addr, length in requests:
             m = self._motors.get(dxl_id)
             if m is None or not m.table.fast_sync_read:
-                return  # the chain does not start / firmware without Fast Sync Read: no answer
+                return  # the chain does not start / firmware without the fast reads: no answer
             err, data = self._do_read(m, addr, length)
             entries.append((dxl_id, err | m.error_byte, data if not err else bytes(length)))
-        full = P.build_fast_sync_read_status(entries)
+        if not entries:
+            return
+        full = P.build_fast_read_status(entries)
         # the chain breaks at the first device that does not answer: the packet is cut there
-        cut = len(full)
-        for k, dxl_id in enumerate(ids):
+        cut, start = len(full), 8
+        for dxl_id, _, length in requests:
             dropped = dxl_id in self.faults.silent_ids or (
                 self.faults.drop_probability > 0 and self._rng.random() < self.faults.drop_probability)
             if dropped:
                 self.stats.dropped += 1
-                cut = 8 + k * (length + 4)
+                cut = start
                 break
+            start += length + 4
         out = full[:cut]
         if cut == len(full) and self.faults.corrupt_crc_probability > 0 and \
                 self._rng.random() < self.faults.corrupt_crc_probability:

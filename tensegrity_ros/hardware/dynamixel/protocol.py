@@ -10,7 +10,7 @@ Packet layout (instruction and status)::
 
 ``LEN`` counts INST + (ERR +) params + the two CRC bytes, *after* byte stuffing. Byte stuffing
 inserts an extra ``FD`` after every ``FF FF FD`` found in the INST..params region; the CRC is
-computed over the stuffed packet. Fast Sync Read status packets are not stuffed.
+computed over the stuffed packet. Fast Sync Read and Fast Bulk Read status packets are not stuffed.
 """
 from __future__ import annotations
 
@@ -55,6 +55,9 @@ ERR_DATA_RANGE = 0x04
 ERR_DATA_LENGTH = 0x05
 ERR_DATA_LIMIT = 0x06
 ERR_ACCESS = 0x07
+
+#: CLEAR (0x10) parameters that reset the multi-turn position: option 0x01 + the fixed "DXL\"" key
+CLEAR_MULTI_TURN = bytes((0x01, 0x44, 0x58, 0x4C, 0x22))
 
 ERROR_NAMES = {
     ERR_RESULT_FAIL: "result fail", ERR_INSTRUCTION: "instruction error", ERR_CRC: "CRC error",
@@ -132,12 +135,15 @@ def build_status(dxl_id: int, error: int = 0, params: bytes = b"") -> bytes:
     return _frame(dxl_id, bytes((STATUS, error & 0xFF)) + bytes(params))
 
 
-def build_fast_sync_read_status(entries: Sequence[Tuple[int, int, bytes]]) -> bytes:
-    """The combined Fast Sync Read status packet for ``entries`` = [(id, error, data), ...].
+def build_fast_read_status(entries: Sequence[Tuple[int, int, bytes]]) -> bytes:
+    """The combined status packet of a Fast Sync Read or Fast Bulk Read, ``entries`` = [(id, error,
+    data), ...] in request order.
 
     Layout: ``FF FF FD 00 FE LEN 55 | ERR1 ID1 DATA1 CRC1 | ERR2 ID2 DATA2 CRC2 | ...`` where each
-    device's CRC is the running CRC of the whole packet so far (so the last one is the packet CRC).
-    Not byte-stuffed (e-manual). ``LEN = 1 + sum(len(data) + 4)``.
+    device's CRC is the running CRC of the whole packet so far (each motor appends its block to the
+    chain, so the last one is the packet CRC). Not byte-stuffed (e-manual). ``LEN = 1 + sum(len(data)
+    + 4)``. Fast Sync Read blocks all have the same data length; Fast Bulk Read blocks each have the
+    length that device was asked for, so a client needs its own request list to split the packet.
     """
     length = 1 + sum(len(d) + 4 for _, _, d in entries)
     pkt = bytearray(HEADER + bytes((BROADCAST_ID, length & 0xFF, (length >> 8) & 0xFF, STATUS)))
@@ -146,6 +152,18 @@ def build_fast_sync_read_status(entries: Sequence[Tuple[int, int, bytes]]) -> by
         crc = crc16(pkt)
         pkt += bytes((crc & 0xFF, crc >> 8))
     return bytes(pkt)
+
+
+def build_fast_sync_read_status(entries: Sequence[Tuple[int, int, bytes]]) -> bytes:
+    """The Fast Sync Read status packet (see :func:`build_fast_read_status`); all data the same length."""
+    if len({len(d) for _, _, d in entries}) > 1:
+        raise ValueError("Fast Sync Read entries must all have the same data length")
+    return build_fast_read_status(entries)
+
+
+def build_fast_bulk_read_status(entries: Sequence[Tuple[int, int, bytes]]) -> bytes:
+    """The Fast Bulk Read status packet (see :func:`build_fast_read_status`); per-device lengths."""
+    return build_fast_read_status(entries)
 
 
 def parse_fast_sync_read_params(params: bytes, data_length: int) -> List[Tuple[int, int, bytes]]:
@@ -159,6 +177,21 @@ def parse_fast_sync_read_params(params: bytes, data_length: int) -> List[Tuple[i
         if len(block) < 2 + data_length:
             break
         out.append((block[1], block[0], bytes(block[2:2 + data_length])))
+    return out
+
+
+def parse_fast_bulk_read_params(params: bytes, data_lengths: Sequence[int]) -> List[Tuple[int, int, bytes]]:
+    """Split the body of a Fast Bulk Read status (first ERR byte up to, but excluding, the final
+    packet CRC) into [(id, error, data)], the k-th block holding ``data_lengths[k]`` bytes."""
+    out = []
+    blob = bytes(params) + b"\x00\x00"
+    k = 0
+    for n in data_lengths:
+        block = blob[k:k + n + 4]
+        if len(block) < 2 + n:
+            break
+        out.append((block[1], block[0], bytes(block[2:2 + n])))
+        k += n + 4
     return out
 
 
@@ -189,6 +222,10 @@ def action(dxl_id: int = BROADCAST_ID) -> bytes:
 
 def reboot(dxl_id: int) -> bytes:
     return build_instruction(dxl_id, REBOOT)
+
+
+def clear_multi_turn(dxl_id: int) -> bytes:
+    return build_instruction(dxl_id, CLEAR, CLEAR_MULTI_TURN)
 
 
 def sync_read(address: int, length: int, ids: Sequence[int], fast: bool = False) -> bytes:

@@ -2,27 +2,37 @@
 
 Each supported model is a frozen :class:`ControlTable`: register name -> (address, size), the
 unit conversions, the operating-mode value for position control, where the EEPROM area ends
-(EEPROM registers are write-protected while torque is on), and whether the firmware supports
-Fast Sync Read (0x8A). Callers use register *names*; only this module knows addresses.
+(EEPROM registers are write-protected while torque is on), whether the firmware supports the
+"fast" reads (Fast Sync Read 0x8A and Fast Bulk Read 0x9A), and where the Indirect Address /
+Indirect Data blocks are. Callers use register *names*; only this module knows addresses.
+
+Indirect addressing (e-manual, "Indirect Address, Indirect Data"): Indirect Address n (2 bytes)
+holds a control-table address; Indirect Data n (1 byte) then reads and writes *that* byte, with its
+access rights (a read-only target makes the data byte read-only). A multi-byte register needs one
+indirect slot per byte. Only RAM addresses may be assigned (X: 64..661, PRO: 562..892); by default
+each Indirect Address points at its own Indirect Data byte.
 
 Sources (ROBOTIS e-manual):
 - X series, Protocol 2.0 table (XM430-W350, model 1020; XM540-W270, model 1120): 4096 pulses/rev,
   0.229 rev/min per velocity unit, 2.69 mA per current unit; EEPROM = addresses 0..63; Torque
   Enable 64, Hardware Error Status 70, Goal Position 116, Present Current 126, Present Velocity
-  128, Present Position 132. Fast Sync Read from firmware v45.
+  128, Present Position 132. Fast Sync Read / Fast Bulk Read from firmware v45. Indirect Address
+  1..28 at 168..222 -> Indirect Data 1..28 at 224..251; Indirect Address 29..56 at 578..632 ->
+  Indirect Data 29..56 at 634..661 (all RAM).
 - Dynamixel PRO (old, not PRO+) table: Torque Enable 562, Goal Position 596, Goal Velocity 600,
   Present Position 611, Present Velocity 615, Present Current 621, Hardware Error Status 892; EEPROM
   = addresses 0..561. L54-50-S290-R: model 38176, 207,692 pulses/rev (+-103,846),
   0.00346667 rev/min per unit, current 33,000/2,048 mA per unit. M42-10-S260-R: model 43288,
   263,187 pulses/rev (+-131,593), 0.00389076 rev/min per unit, current 8,250/2,048 mA per unit.
-  No Fast Sync Read on the old PRO firmware.
+  No Fast Sync Read / Fast Bulk Read on the old PRO firmware. Indirect Address 1..256 at 49..559
+  (EEPROM) -> Indirect Data 1..256 at 634..889 (RAM).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Dict, FrozenSet, Mapping, Tuple
+from typing import Dict, FrozenSet, Mapping, Optional, Tuple
 
 Register = Tuple[int, int]  # (address, size in bytes)
 
@@ -84,19 +94,24 @@ class ControlTable:
     position_mode: int              # Operating Mode value for position control
     extended_position_mode: int
     eeprom_end: int                 # first address of the RAM area
-    fast_sync_read: bool
+    fast_sync_read: bool            # Fast Sync Read (0x8A) and Fast Bulk Read (0x9A) supported
     signed_registers: FrozenSet[str]
     read_only: FrozenSet[str]
     defaults: Mapping[str, int] = field(default_factory=dict)   # power-on values (emulator)
     table_size: int = 0
+    #: indirect blocks: (address of Indirect Address k, address of Indirect Data k, slots) per block
+    indirect_blocks: Tuple[Tuple[int, int, int], ...] = ()
 
     # ---- registers --------------------------------------------------------------------------
     def reg(self, name: str) -> Register:
         try:
             return self.registers[name]
         except KeyError:
-            raise KeyError(f"{self.full_name} has no register {name!r}; known: "
-                           f"{', '.join(sorted(self.registers))}") from None
+            # the indirect slots are summarised: listing a few hundred names would bury the hint
+            known = sorted(n for n in self.registers if not n.startswith("indirect_"))
+            if self.indirect_blocks:
+                known.append(f"indirect_address_1..{self.indirect_slots}, indirect_data_1..{self.indirect_slots}")
+            raise KeyError(f"{self.full_name} has no register {name!r}; known: {', '.join(known)}") from None
 
     def addr(self, name: str) -> int:
         return self.reg(name)[0]
@@ -109,6 +124,34 @@ class ControlTable:
 
     def in_eeprom(self, name: str) -> bool:
         return self.addr(name) < self.eeprom_end
+
+    # ---- indirect addressing ----------------------------------------------------------------
+    @property
+    def indirect_slots(self) -> int:
+        return sum(n for _, _, n in self.indirect_blocks)
+
+    def indirect_pointer(self, address: int) -> Optional[int]:
+        """If ``address`` is an Indirect Data byte: the address of the 2-byte Indirect Address
+        register that says which byte it stands for; else None."""
+        for addr0, data0, n in self.indirect_blocks:
+            if data0 <= address < data0 + n:
+                return addr0 + 2 * (address - data0)
+        return None
+
+    def indirect_address_slot(self, address: int) -> Optional[int]:
+        """If ``address`` is a byte of an Indirect Address register: that register's address."""
+        for addr0, _, n in self.indirect_blocks:
+            if addr0 <= address < addr0 + 2 * n:
+                return address - (address - addr0) % 2
+        return None
+
+    def overlaps_indirect_data(self, start: int, length: int) -> bool:
+        return any(data0 < start + length and start < data0 + n for _, data0, n in self.indirect_blocks)
+
+    @property
+    def indirect_target_range(self) -> Tuple[int, int]:
+        """Addresses an Indirect Address may hold (inclusive): the RAM area."""
+        return self.eeprom_end, self.table_size - 1
 
     def block(self, names) -> Tuple[int, int]:
         """(start address, length) of the smallest contiguous block covering ``names``."""
@@ -156,7 +199,23 @@ class ControlTable:
         return int(round(amp / self.current_unit_a))
 
 
+def _indirect_registers(blocks: Tuple[Tuple[int, int, int], ...]) -> Tuple[Dict[str, Register], Dict[str, int]]:
+    """Registers and power-on values of the Indirect Address / Indirect Data slots of ``blocks``,
+    numbered from 1 across the blocks as in the e-manual; each address points at its own data byte."""
+    regs: Dict[str, Register] = {}
+    defaults: Dict[str, int] = {}
+    k = 1
+    for addr0, data0, n in blocks:
+        for j in range(n):
+            regs[f"indirect_address_{k}"] = (addr0 + 2 * j, 2)
+            regs[f"indirect_data_{k}"] = (data0 + j, 1)
+            defaults[f"indirect_address_{k}"] = data0 + j
+            k += 1
+    return regs, defaults
+
+
 # ---- X series (XM430 / XM540 share the Protocol 2.0 table) ----------------------------------
+_X_INDIRECT = ((168, 224, 28), (578, 634, 28))
 _X_REGISTERS: Dict[str, Register] = {
     "model_number": (0, 2), "model_information": (2, 4), "firmware_version": (6, 1), "id": (7, 1),
     "baud_rate": (8, 1), "return_delay_time": (9, 1), "drive_mode": (10, 1), "operating_mode": (11, 1),
@@ -177,6 +236,7 @@ _X_REGISTERS: Dict[str, Register] = {
     "present_current": (126, 2), "present_velocity": (128, 4), "present_position": (132, 4),
     "velocity_trajectory": (136, 4), "position_trajectory": (140, 4),
     "present_input_voltage": (144, 2), "present_temperature": (146, 1),
+    **_indirect_registers(_X_INDIRECT)[0],
 }
 _X_SIGNED = frozenset({"homing_offset", "goal_pwm", "goal_current", "goal_velocity", "goal_position",
                        "present_pwm", "present_current", "present_velocity", "present_position",
@@ -194,6 +254,7 @@ _X_DEFAULTS = {
     "min_position_limit": 0, "shutdown": 52, "status_return_level": 2, "velocity_i_gain": 1920,
     "velocity_p_gain": 100, "position_p_gain": 800, "goal_position": 2048, "present_position": 2048,
     "present_input_voltage": 120, "present_temperature": 30,
+    **_indirect_registers(_X_INDIRECT)[1],
 }
 
 
@@ -207,10 +268,11 @@ def _x_table(model: str, full_name: str, model_number: int, defaults: Dict[str, 
         position_range=(0, 4095), velocity_unit_rpm=0.229, current_unit_a=2.69e-3,
         position_mode=3, extended_position_mode=4, eeprom_end=64, fast_sync_read=True,
         signed_registers=_X_SIGNED, read_only=_X_READ_ONLY, defaults=MappingProxyType(d),
-        table_size=662)
+        table_size=662, indirect_blocks=_X_INDIRECT)
 
 
 # ---- Dynamixel PRO (old table) --------------------------------------------------------------
+_PRO_INDIRECT = ((49, 634, 256),)
 _PRO_REGISTERS: Dict[str, Register] = {
     "model_number": (0, 2), "model_information": (2, 4), "firmware_version": (6, 1), "id": (7, 1),
     "baud_rate": (8, 1), "return_delay_time": (9, 1), "operating_mode": (11, 1),
@@ -227,6 +289,7 @@ _PRO_REGISTERS: Dict[str, Register] = {
     "present_velocity": (615, 4), "present_current": (621, 2), "present_input_voltage": (623, 2),
     "present_temperature": (625, 1), "registered_instruction": (890, 1),
     "status_return_level": (891, 1), "hardware_error_status": (892, 1),
+    **_indirect_registers(_PRO_INDIRECT)[0],
 }
 _PRO_SIGNED = frozenset({"homing_offset", "max_position_limit", "min_position_limit", "goal_position",
                          "goal_velocity", "goal_torque", "present_position", "present_velocity",
@@ -240,6 +303,7 @@ _PRO_DEFAULTS = {
     "moving_threshold": 50, "temperature_limit": 80, "max_voltage_limit": 400, "min_voltage_limit": 150,
     "shutdown": 58, "status_return_level": 2, "goal_position": 0, "present_position": 0,
     "present_input_voltage": 240, "present_temperature": 30,
+    **_indirect_registers(_PRO_INDIRECT)[1],
 }
 
 
@@ -254,7 +318,7 @@ def _pro_table(model: str, full_name: str, model_number: int, ticks_half: int, v
         position_range=(-ticks_half, ticks_half), velocity_unit_rpm=vel_rpm,
         current_unit_a=current_ma * 1e-3, position_mode=3, extended_position_mode=4, eeprom_end=562,
         fast_sync_read=False, signed_registers=_PRO_SIGNED, read_only=_PRO_READ_ONLY,
-        defaults=MappingProxyType(d), table_size=893)
+        defaults=MappingProxyType(d), table_size=893, indirect_blocks=_PRO_INDIRECT)
 
 
 TABLES: Mapping[str, ControlTable] = MappingProxyType({

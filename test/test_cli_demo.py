@@ -1,0 +1,34 @@
+"""`tensegrity demo` end to end, as a user runs it (issue 16): the exit code agrees with the summary's health,
+and the verdict is the last line printed -- no node logs after it."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(300)
+def test_short_demo_ends_with_its_verdict_and_matching_exit_code(tmp_path):
+    out = tmp_path / "demo"
+    env = {**os.environ, "ROS_DOMAIN_ID": "77", "PYTHONUNBUFFERED": "1"}
+    # 12 s: too short for the identifier's first set, so the run is DEGRADED (no update period): exit 3
+    r = subprocess.run([sys.executable, "-m", "tensegrity_ros.cli", "demo", "--duration", "12", "--no-bag",
+                        "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=280)
+    lines = [x for x in r.stdout.splitlines() if x.strip()]
+    summary = json.loads((out / "summary.json").read_text())
+    health = summary["health"]
+    assert lines[-1].startswith(health["verdict"]), lines[-5:]
+    assert r.returncode == (0 if health["healthy"] else 3), (r.returncode, lines[-12:])
+    failed = [k for k, f in health["figures"].items() if not f["pass"]]
+    assert health["healthy"] == (not failed)
+    for k in failed:                       # every failed figure is named in the verdict
+        assert k in lines[-1]
+    # every figure is printed with its threshold before the verdict
+    printed = {m.group(2): m.group(1) for m in (re.match(r"(ok|FAIL)\s+(\S+) = ", x.strip()) for x in lines[:-1]) if m}
+    assert printed == {k: "ok" if f["pass"] else "FAIL" for k, f in health["figures"].items()}
