@@ -145,7 +145,7 @@ def test_ingest_publishes_the_tf_tree(rclpy_context, ros_executor, make_node, tw
     frames = frames[:30]
     node = MocapIngestNode(unique_name("ingest_tf"), context=rclpy_context, parameter_overrides=[
         Parameter("model_file", value=str(MODEL)), Parameter("mocap_qos_reliability", value="reliable"),
-        Parameter("initial_transform", value=Y_UP)])
+        Parameter("initial_transform", value=Y_UP), Parameter("tf_every", value=1)])   # every frame here
     ros_executor.add_node(node)
     try:
         probe = make_node(unique_name("probe_tf"))

@@ -74,6 +74,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--one-process", dest="robot_process", action="store_false",
                         help="run the simulated robot (twin, emulated bus, driver) in the graph's own process "
                              "too (default: a child process, like a real robot's separate driver)")
+    parser.add_argument("--visualizer", action="store_true",
+                        help="also run the visualizer node (/tensegrity/markers for RViz; default: off, there is "
+                             "no RViz without ROS and on 2 cores its CPU comes out of the prediction latency)")
     parser.add_argument("--predictor-process", action="store_true",
                         help="run the state predictor in a process of its own, as `ros2 launch` does (default: "
                              "in the graph's process: on 2 cores the extra process costs CPU that the identifier "
@@ -203,12 +206,17 @@ def checked_inputs(args, what: str = "demo"):
     return nominal, out, force
 
 
+def demo_nodes(args, nodes):
+    """``nodes`` less the visualizer unless ``--visualizer``."""
+    return tuple(n for n in nodes if n != "visualizer" or args.visualizer)
+
+
 def graph_config(args, **fields):
     """The demo's GraphConfig from its arguments (``fields`` on top: nodes, overrides, ...)."""
-    from ..bringup import GraphConfig
+    from ..bringup import DEFAULT_NODES, GraphConfig
     from ..nodes._common import TOPICS
 
-    values = dict(model_file=args.model, reference_file=args.reference, perturb_fraction=args.perturb,
+    values = dict(nodes=demo_nodes(args, DEFAULT_NODES), model_file=args.model, reference_file=args.reference, perturb_fraction=args.perturb,
                   overrides={"sim_robot": {"perturb_seed": int(args.seed)}}, robot_process=args.robot_process,
                   predictor_process=args.predictor_process,
                   record_topics=None if args.no_bag else ["*"],

@@ -314,7 +314,7 @@ def run(args) -> int:
     nominal, out, force = D.checked_inputs(args, "controller demo")
     overrides = {"sim_robot": {"perturb_seed": int(args.seed)},
                  "plate_controller": {"target_trajectory_dt": TRAJ_DT, "model": "identified"}}
-    cfg = D.graph_config(args, nodes=NODE_ORDER, overrides=overrides)
+    cfg = D.graph_config(args, nodes=D.demo_nodes(args, NODE_ORDER), overrides=overrides)
     import signal
 
     def _on_signal(signum, frame):
