@@ -18,6 +18,20 @@ from .. import frames as F
 from .outputs import wrap_angle
 
 
+def _out_of_workspace(y: np.ndarray, present: Optional[np.ndarray], max_offset_m: float, max_angle_rad: float,
+                      what: str) -> str:
+    """Why the pose ``y`` is farther from the plate's ``present`` pose than the reachable neighbourhood allows
+    ("" when it is not, or when the present pose is unknown)."""
+    if present is None:
+        return ""
+    d = float(np.linalg.norm(y[:3] - present[:3]))
+    a = float(np.abs(wrap_angle(y[3:] - present[3:])).max())
+    if d > max_offset_m or a > max_angle_rad:
+        return (f"{what}: {d * 1e3:.1f} mm / {np.degrees(a):.1f} deg from the plate "
+                f"(max {max_offset_m * 1e3:.0f} mm / {np.degrees(max_angle_rad):.1f} deg)")
+    return ""
+
+
 def target_from_pose(position: Sequence[float], quaternion: Sequence[float], frame_id: str,
                      present: Optional[np.ndarray] = None, expected_frame: str = "C0", max_offset_m: float = 0.1,
                      max_angle_rad: float = 0.5) -> Tuple[Optional[np.ndarray], str]:
@@ -33,13 +47,8 @@ def target_from_pose(position: Sequence[float], quaternion: Sequence[float], fra
     if abs(nq - 1.0) > 1e-3:
         return None, f"target orientation is not a unit quaternion (|q| = {nq:.4f})"
     y = np.concatenate([p, F.euler_zyx(F.matrix_from_quaternion(*(q / nq)))])
-    if present is not None:
-        d = float(np.linalg.norm(y[:3] - present[:3]))
-        a = float(np.abs(wrap_angle(y[3:] - present[3:])).max())
-        if d > max_offset_m or a > max_angle_rad:
-            return None, (f"target out of the workspace: {d * 1e3:.1f} mm / {np.degrees(a):.1f} deg from the plate "
-                          f"(max {max_offset_m * 1e3:.0f} mm / {np.degrees(max_angle_rad):.1f} deg)")
-    return y, ""
+    why = _out_of_workspace(y, present, max_offset_m, max_angle_rad, "target out of the workspace")
+    return (None, why) if why else (y, "")
 
 
 class TargetTrajectory:
@@ -88,11 +97,6 @@ def trajectory_from_poses(t0: float, dt: float, positions: Sequence[Sequence[flo
     if times[-1] < now:
         return None, f"trajectory ended {now - times[-1]:.2f} s ago"
     traj = TargetTrajectory(times, np.array(poses))
-    if present is not None:
-        y = traj.sample([now])[0]
-        d = float(np.linalg.norm(y[:3] - present[:3]))
-        a = float(np.abs(wrap_angle(y[3:] - present[3:])).max())
-        if d > max_offset_m or a > max_angle_rad:
-            return None, (f"trajectory out of the workspace now: {d * 1e3:.1f} mm / {np.degrees(a):.1f} deg from "
-                          f"the plate (max {max_offset_m * 1e3:.0f} mm / {np.degrees(max_angle_rad):.1f} deg)")
-    return traj, ""
+    why = None if present is None else _out_of_workspace(traj.sample([now])[0], present, max_offset_m,
+                                                          max_angle_rad, "trajectory out of the workspace now")
+    return (None, why) if why else (traj, "")
