@@ -334,8 +334,7 @@ class Graph:
         if self.predictor_proc is not None:
             return float(self.predictor_proc.stats().get("latency_recent_ms_p50", math.nan))
         pr = self.nodes.get("state_predictor")
-        recent = pr.latency.recent(240) if pr is not None else np.zeros(0)
-        return float(np.median(recent) * 1e3) if recent.size else math.nan
+        return math.nan if pr is None else _recent_latency_ms(pr)
 
     def faults(self) -> Dict[str, str]:
         """{node or process: why it stopped} over the whole graph; empty while everything runs."""
@@ -594,13 +593,17 @@ def _renice(nice: int, what: str):
     return {"done": done, "niceness": now, "message": text}
 
 
+def _recent_latency_ms(predictor) -> float:
+    """Median latency of the predictor's last 240 predictions (~2 s), ms (nan before any)."""
+    recent = predictor.latency.recent(240)
+    return float(np.median(recent) * 1e3) if recent.size else math.nan
+
+
 def _predictor_stats(nodes: Mapping[str, Node]) -> Dict[str, Any]:
     """The light figures of a predictor process, asked for often (drain, status lines): counts, not samples."""
     pr = nodes["state_predictor"]
     fault = getattr(pr, "fault", None)
-    recent = pr.latency.recent(240)
-    return {"published": _published(nodes), "seq": pr.seq,
-            "latency_recent_ms_p50": float(np.median(recent) * 1e3) if recent.size else math.nan,
+    return {"published": _published(nodes), "seq": pr.seq, "latency_recent_ms_p50": _recent_latency_ms(pr),
             "faults": {"state_predictor": f"{type(fault).__name__}: {fault}"} if fault is not None else {}}
 
 
