@@ -126,7 +126,7 @@ def _pct(stats, q, scale=1e3):
 # =====================================================================================================
 # the run
 # =====================================================================================================
-class _Progress:
+class Progress:
     def __init__(self):
         self.tty = sys.stderr.isatty()
         self.last = 0.0
@@ -140,7 +140,7 @@ class _Progress:
         sys.stderr.flush()
 
 
-def _status(graph, truth, est_names, t0_ros, elapsed, nominal_err) -> Tuple[str, Dict[str, float]]:
+def status_line(graph, truth, est_names, t0_ros, elapsed, nominal_err) -> Tuple[str, Dict[str, float]]:
     mon = graph.monitor
     nodes = graph.nodes
     ps = mon.parameter_sets[-1] if mon.parameter_sets else None
@@ -229,13 +229,27 @@ def graph_config(args, **fields):
     return GraphConfig(**values)
 
 
+def scoring_baseline(graph, nominal):
+    """What a demo scores against: (the true structure, its parameter values by name, the nominal's values, the
+    names of the kinds the identifier estimates, the nominal's median error over them in %)."""
+    from ..engine import params_from_structure
+    from ..parameter_set import split_name
+
+    true_structure = graph.true_structure
+    truth = {n: float(v) for n, v in params_from_structure(true_structure).named().items()}
+    nom = {n: float(v) for n, v in params_from_structure(nominal).named().items()}
+    estimate = graph.nodes["online_identifier"].p["estimate"]
+    est_names = [n for n in nom if split_name(n)[1] in estimate]
+    nominal_err = float(np.median(list(parameter_errors(nom, truth, est_names).values())))
+    return true_structure, truth, nom, est_names, nominal_err
+
+
 def run(args) -> int:
     if getattr(args, "controller", False):
         from .demo_control import run as run_controller
 
         return run_controller(args)
     from ..bringup import build_graph, drain, stop_sources
-    from ..engine import params_from_structure
     from ._common import atomic_output
 
     nominal, out, force = checked_inputs(args)
@@ -247,15 +261,11 @@ def run(args) -> int:
     # SIGINT too, explicitly: a demo started in the background of a script inherits SIGINT ignored
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
-    progress = _Progress()
+    progress = Progress()
     sys.stderr.write(f"tensegrity demo: starting the graph ({nominal.name}, worker processes warm up ~10 s)...\n")
     graph = build_graph(cfg)
     try:
-        true_structure = graph.true_structure
-        truth = {n: float(v) for n, v in params_from_structure(true_structure).named().items()}
-        nom = {n: float(v) for n, v in params_from_structure(nominal).named().items()}
-        est_names = [n for n in nom if n.rpartition(".")[2] in graph.nodes["online_identifier"].p["estimate"]]
-        nominal_err = float(np.median(list(parameter_errors(nom, truth, est_names).values())))
+        true_structure, truth, nom, est_names, nominal_err = scoring_baseline(graph, nominal)
         graph.spin_in_background()
         t0 = time.monotonic()
         t0_ros = graph.nodes["online_identifier"].now_s()
@@ -268,21 +278,21 @@ def run(args) -> int:
             faults = graph.faults()
             if faults:
                 raise UserError(f"stopped: {faults}")
-            text, vals = _status(graph, truth, est_names, t0_ros, time.monotonic() - t0, nominal_err)
+            text, vals = status_line(graph, truth, est_names, t0_ros, time.monotonic() - t0, nominal_err)
             history.append(vals)
             progress.line(text)
         duration = time.monotonic() - t0
         stop_sources(graph)
         drained = drain(graph, 20.0)
-        text, vals = _status(graph, truth, est_names, t0_ros, duration, nominal_err)
+        text, vals = status_line(graph, truth, est_names, t0_ros, duration, nominal_err)
         progress.line(text, final=True)
         sys.stderr.write("tensegrity demo: writing the summary, report and bag...\n")
         with atomic_output(args.out, "dir", force=force, flag="--out") as tmp:
-            summary = _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_ros, tmp,
+            summary = summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_ros, tmp,
                                  history)
-            _report(graph, summary, truth, nom, est_names, t0_ros, tmp, nominal, true_structure)
+            write_report(graph, summary, truth, nom, est_names, t0_ros, tmp, nominal, true_structure)
             if not args.no_bag:
-                _write_bag(graph, tmp / "bag")
+                write_bag(graph, tmp / "bag")
                 summary["bag"] = str(out / "bag")
             (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
             (tmp / MARKER).write_text("written by `tensegrity demo`: the next demo may replace this folder\n")
@@ -308,7 +318,7 @@ def report_health(health: dict) -> int:
     return 0 if health["healthy"] else EXIT_DEGRADED
 
 
-def _summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_ros, out, history) -> dict:
+def summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_ros, out, history) -> dict:
     mon, nodes = graph.monitor, graph.nodes
     ps = mon.parameter_sets[-1] if mon.parameter_sets else None
     final = ps.as_dict() if ps else dict(nom)
@@ -393,7 +403,7 @@ def _mm(a: np.ndarray, k: int) -> float:
     return float(a[k] * 1e3) if 0 <= k < a.size and np.isfinite(a[k]) else math.nan
 
 
-def _report(graph, summary, truth, nom, est_names, t0_ros, out: Path, nominal, true_structure) -> List[Path]:
+def write_report(graph, summary, truth, nom, est_names, t0_ros, out: Path, nominal, true_structure) -> List[Path]:
     from ..model import dump_structure
     from ..report.figures import parameter_table, plate_motion, plot_convergence, plot_plate_motion
 
@@ -462,7 +472,7 @@ def _report(graph, summary, truth, nom, est_names, t0_ros, out: Path, nominal, t
     return files
 
 
-def _write_bag(graph, path: Path) -> Path:
+def write_bag(graph, path: Path) -> Path:
     """Everything the monitor recorded (raw) as an MCAP bag, through :func:`tensegrity_ros.bags.write_topics`."""
     from ..bags import make_typestore, write_topics
 

@@ -307,7 +307,6 @@ def control_figures(control: dict) -> Dict[str, float]:
 
 def run(args) -> int:
     from ..bringup import NODE_ORDER, build_graph, drain, graph_health, stop_sources
-    from ..engine import params_from_structure
     from . import demo as D
     from ._common import atomic_output
 
@@ -321,7 +320,7 @@ def run(args) -> int:
         raise KeyboardInterrupt
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
-    progress = D._Progress()
+    progress = D.Progress()
     sys.stderr.write(f"tensegrity demo --controller: starting the graph ({nominal.name}, worker processes warm "
                      f"up ~10 s); {args.duration:g} s of identification, then {SETTLE_S + TRACK_S:g} s of control "
                      "with the identified model and as long with the nominal one...\n")
@@ -341,11 +340,7 @@ def run(args) -> int:
         probe = _make_probe(graph, controller, nominal)
         graph.executor.add_node(probe)
         graph.nodes[probe.get_name()] = probe               # destroyed with the graph
-        true_structure = graph.true_structure
-        truth = {n: float(v) for n, v in params_from_structure(true_structure).named().items()}
-        nom = {n: float(v) for n, v in params_from_structure(nominal).named().items()}
-        est_names = [n for n in nom if n.rpartition(".")[2] in graph.nodes["online_identifier"].p["estimate"]]
-        nominal_err = float(np.median(list(D.parameter_errors(nom, truth, est_names).values())))
+        true_structure, truth, nom, est_names, nominal_err = D.scoring_baseline(graph, nominal)
         graph.spin_in_background()
         t0 = time.monotonic()
         t0_ros = controller.now_s()
@@ -355,7 +350,7 @@ def run(args) -> int:
             faults = graph.faults() if hasattr(graph, "faults") else {}
             if faults:
                 raise UserError(f"stopped: {faults}")
-            text, vals = D._status(graph, truth, est_names, t0_ros, time.monotonic() - t0, nominal_err)
+            text, vals = D.status_line(graph, truth, est_names, t0_ros, time.monotonic() - t0, nominal_err)
             history.append(vals)
             progress.line(text)
         progress.line(text, final=True)
@@ -397,14 +392,14 @@ def run(args) -> int:
         }
         sys.stderr.write("tensegrity demo --controller: writing the summary, report and bag...\n")
         with atomic_output(args.out, "dir", force=force, flag="--out") as tmp:
-            summary = D._summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_ros, tmp,
+            summary = D.summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_ros, tmp,
                                    history)
             summary["control"] = control
             worse = summary.get("accepted_worse_than_previous", 0)
             health = graph_health(graph, duration, {"accepted_worse_than_previous": worse, **control_figures(control)},
                                   sections=("graph", "demo", "control"))
             summary["health"] = health.as_dict()
-            D._report(graph, summary, truth, nom, est_names, t0_ros, tmp, nominal, true_structure)
+            D.write_report(graph, summary, truth, nom, est_names, t0_ros, tmp, nominal, true_structure)
             runs = {}
             for k, p in phases.items():
                 rel, _, _ = tracking_errors(stamps, poses, target, p["t0"], (0.0, TRACK_S))
@@ -414,7 +409,7 @@ def run(args) -> int:
             with open(tmp / "report.md", "a") as f:
                 f.write("\n" + "\n".join(_report_lines(control, plot)) + "\n")
             if not args.no_bag:
-                D._write_bag(graph, tmp / "bag")
+                D.write_bag(graph, tmp / "bag")
                 summary["bag"] = str(out / "bag")
             (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
             (tmp / D.MARKER).write_text("written by `tensegrity demo`: the next demo may replace this folder\n")

@@ -433,7 +433,7 @@ def fit_window(structure: Structure, times, positions, valid, motors, prior_valu
             values = res.values()
             kinds = [k for k in NESTED_KINDS if k in tuple(options.estimate)]
             # nested candidates: the fit's values of the first j kinds, the rest kept at the active set's
-            nested = [{n: v for n, v in values.items() if n.rpartition(".")[2] in kinds[:j]}
+            nested = [{n: v for n, v in values.items() if split_name(n)[1] in kinds[:j]}
                       for j in range(1, len(kinds) + 1)] or [values]
             sets = [prior.with_values(c) for c in nested]
             *mses, act_mse = held_out_mse(structure, held, (*sets, prior), options, holdout_window_s, holdout_windows)

@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ..frames import FRAME_NODES, euler_zyx, frame_from_nodes, relative_pose  # noqa: E402
+from ..parameter_set import split_name  # noqa: E402
 
 AXES_POS = ("x", "y", "z")
 AXES_EUL = ("yaw (Z)", "pitch (Y)", "roll (X)")
@@ -130,7 +131,7 @@ def plot_convergence(history: Sequence[Mapping[str, float]], path: Path, truth: 
     groups: Dict[str, List[str]] = {}
     constant: Dict[str, int] = {}                   # kinds none of whose parameters ever moved: one line, no panel
     for n in names:
-        groups.setdefault(_kind(n), []).append(n)
+        groups.setdefault(split_name(n)[1], []).append(n)
     for kind in list(groups):
         if all(len({h.get(n) for h in history}) == 1 for n in groups[kind]):
             constant[kind] = len(groups.pop(kind))
@@ -172,10 +173,6 @@ def plot_convergence(history: Sequence[Mapping[str, float]], path: Path, truth: 
         top = 1.0 - (0.25 + 0.18 * title.count("\n")) / fig.get_figheight()
     fig.tight_layout(rect=(0, 0, 1, top))
     return _save(fig, path)
-
-
-def _kind(name: str) -> str:
-    return name.rpartition(".")[2]
 
 
 def _display(kind: str) -> Tuple[str, float, bool]:
@@ -237,7 +234,7 @@ def parameter_rows(values: Mapping[str, float], std_devs: Mapping[str, float] = 
     nan = float("nan")
     rows = []
     for n, v in values.items():
-        kind = _kind(n)
+        kind = split_name(n)[1]
         sd = float(std_devs.get(n, nan))
         tv = float(truth.get(n, nan))
         unit_shown, factor, relative = _display(kind)
