@@ -45,6 +45,7 @@ from tensegrity_ros.ident.baselines.mujoco_loop import (TwinObjective, TwinTrial
                                                         least_squares_lbfgsb, mujoco_minimize, twin_rollout)
 from tensegrity_ros.ident.synthetic import random_initial_state  # noqa: E402
 from tensegrity_ros.model import load_structure  # noqa: E402
+from tensegrity_ros.param_names import kind_of  # noqa: E402
 
 MODELS = ROOT / "config" / "models"
 OUT = ROOT / "build" / "bench"
@@ -183,7 +184,7 @@ def icosahedron(quick: bool, seed: int = 1) -> Dict[str, Any]:
         uniform = variant == "icosahedron"
         total = float(p.mass.sum())
         res, secs = _ours(s, datas, ties=("stiffness", "damping", "mass") if uniform else (), total_mass=total)
-        names = [n for n in true if n.rpartition(".")[2] in ("stiffness", "damping", "mass")]
+        names = [n for n in true if kind_of(n) in ("stiffness", "damping", "mass")]
         errs = _param_errors(res.values(), true, names)
         # ratios are anchor-free: error of every parameter relative to the total mass
         e = {"method": "ours (closed form)", "parameters": 3 if uniform else len(names),
@@ -197,9 +198,9 @@ def icosahedron(quick: bool, seed: int = 1) -> Dict[str, Any]:
         _log(f"  ours: max error {e['max_error_pct']:.4f} %, median {e['median_error_pct']:.4f} %, {secs:.2f} s "
              f"| paper: Fig. 10 (trajectory errors only; no parameter table)")
         if uniform or not quick:
-            groups = {"K": tuple(n for n in names if n.endswith("stiffness")),
-                      "c": tuple(n for n in names if n.endswith("damping")),
-                      "M": tuple(n for n in names if n.endswith("mass"))} if uniform else {n: (n,) for n in names}
+            groups = {"K": tuple(n for n in names if kind_of(n) == "stiffness"),
+                      "c": tuple(n for n in names if kind_of(n) == "damping"),
+                      "M": tuple(n for n in names if kind_of(n) == "mass")} if uniform else {n: (n,) for n in names}
             n_bl = min(1 if quick else 5, n_traj)
             obj = TwinObjective(s, trials[:n_bl], groups, timestep=DT, integrator="Euler")
             x0 = [1.0] * len(groups)
@@ -210,7 +211,7 @@ def icosahedron(quick: bool, seed: int = 1) -> Dict[str, Any]:
                 if uniform:
                     bl_err = {"K/M": abs(v["K"] / v["M"] / 10 - 1) * 100, "c/M": abs(v["c"] / v["M"] - 1) * 100}
                 else:  # compare ratios to the total mass (the baselines see no anchor)
-                    tot = sum(v[n] for n in names if n.endswith("mass"))
+                    tot = sum(v[n] for n in names if kind_of(n) == "mass")
                     bl_err = {n: abs(v[n] / tot * total / true[n] - 1) * 100 for n in names}
                 out[variant][lab] = {"method": lab, "max_error_pct": max(bl_err.values()),
                                      "median_error_pct": float(np.median(list(bl_err.values()))),
@@ -228,7 +229,7 @@ def data_efficiency(quick: bool, seed: int = 2) -> Dict[str, Any]:
     s = load_structure(MODELS / "icosahedron_spread.yaml")
     p = params_from_structure(s)
     true = {n: float(v) for n, v in p.named().items()}
-    names = [n for n in true if n.rpartition(".")[2] in ("stiffness", "damping", "mass")]
+    names = [n for n in true if kind_of(n) in ("stiffness", "damping", "mass")]
     n_traj, steps = (6, 500) if quick else (40, 2000)
     rng = np.random.default_rng(seed)
     datas = []
@@ -280,7 +281,7 @@ def generalisation(quick: bool, seed: int = 3, h_true: float = 2.5) -> Dict[str,
         X0, V0 = random_initial_state(s, rng, pos_std=0.05, vel_std=1.0)
         base.append(twin_dataset(s, X0, V0, 500)[0])
     res0, _ = _ours(s, base, total_mass=float(p.mass.sum()))
-    frozen = {n: v for n, v in res0.values().items() if n.rpartition(".")[2] in ("stiffness", "damping", "mass")}
+    frozen = {n: v for n, v in res0.values().items() if kind_of(n) in ("stiffness", "damping", "mass")}
     # 2. pushes: the twin applies h_true * f_u, the data record f_u
     train = []
     for _ in range(n_train):
@@ -345,10 +346,10 @@ def manipulator_problem(duration_s: float = 14.0, noise_m: float = 1e-3, drop: f
     noisy = drop_frames(add_marker_noise(ds, noise_m, rng), drop, rng)
     p = params_from_structure(s)
     true = {n: float(v) for n, v in p.named().items()}
-    names = [n for n in p.names() if n.rpartition(".")[2] in ("stiffness", "damping", "mass")]
+    names = [n for n in p.names() if kind_of(n) in ("stiffness", "damping", "mass")]
     f = np.clip(np.exp(rng.normal(0, spread, len(names))), 1 - 2 * spread, 1 + 2 * spread)
     prior = p.with_values({n: true[n] * k for n, k in zip(names, f)})
-    rl = [n for n in p.names() if n.endswith("rest_length")]
+    rl = [n for n in p.names() if kind_of(n) == "rest_length"]
     prior = prior.with_values({n: true[n] + rng.normal(0, rest_offset_m) for n in rl})
     from tensegrity_ros.engine import build_topology
     top = build_topology(s)
@@ -361,7 +362,7 @@ def manipulator_errors(values: Dict[str, float], true: Dict[str, float]) -> Dict
     """Relative errors (%) of k, c, m and rest lengths (rest-length error relative to the rest length)."""
     out = {}
     for n, v in values.items():
-        kind = n.rpartition(".")[2]
+        kind = kind_of(n)
         if kind in ("stiffness", "damping", "mass"):
             out[n] = abs(v / true[n] - 1) * 100
         elif kind == "rest_length":
@@ -371,7 +372,7 @@ def manipulator_errors(values: Dict[str, float], true: Dict[str, float]) -> Dict
 
 def _median_by_kind(errors: Dict[str, float], kinds: Sequence[str]) -> Dict[str, float]:
     """Median of ``errors`` ({"element.kind": value}) per kind."""
-    return {k: float(np.median([v for n, v in errors.items() if n.endswith(k)])) for k in kinds}
+    return {k: float(np.median([v for n, v in errors.items() if kind_of(n) == k])) for k in kinds}
 
 
 #: Seeds of the manipulator runs: each draws its own marker noise, missing frames and prior offsets. The full
@@ -433,7 +434,7 @@ def manipulator_run(quick: bool, seed: int = 0, record: bool = True) -> Dict[str
     e_prior = manipulator_errors({n: float(v) for n, v in prior.named().items()}, true)
     e = manipulator_errors(res.values(), true) if res.ok else e_prior
     by_kind = _median_by_kind(e, kinds)
-    rest_mm = [abs(res.values()[n] - true[n]) * 1e3 for n in true if n.endswith("rest_length")]
+    rest_mm = [abs(res.values()[n] - true[n]) * 1e3 for n in true if kind_of(n) == "rest_length"]
     z = [(res.values()[n] - true[n]) / res.std_devs[n] for n in e
          if n in res.std_devs and np.isfinite(res.std_devs[n]) and res.std_devs[n] > 0]
     out.update({"ok": res.ok, "error": None if res.ok else str(res.error), "wall_s": wall, "timings": res.timings,

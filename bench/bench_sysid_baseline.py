@@ -38,6 +38,7 @@ from tensegrity_ros.ident.baselines.mujoco_loop import (TwinObjective, TwinTrial
                                                         mujoco_sysid_available)
 from tensegrity_ros.ident.synthetic import random_initial_state  # noqa: E402
 from tensegrity_ros.model import load_structure  # noqa: E402
+from tensegrity_ros.param_names import kind_of  # noqa: E402
 from tensegrity_ros.validation.independent import draw_truth, load_suite_structure  # noqa: E402
 
 OUT = ROOT / "build" / "bench"
@@ -108,11 +109,11 @@ def prism(quick: bool, seed: int = 0) -> Dict[str, Any]:
     truth = {n: float(v) for n, v in params_from_structure(true).named().items()}
     nom = {n: float(v) for n, v in params_from_structure(nominal).named().items()}
     kinds = ("stiffness", "damping", "mass")
-    names = [n for n in nom if n.rpartition(".")[2] in kinds]
+    names = [n for n in nom if kind_of(n) in kinds]
 
     def errors(values):
         return {k: float(np.median([abs(values[n] / truth[n] - 1) * 100 for n in names
-                                    if n.endswith("." + k)])) for k in kinds}
+                                    if kind_of(n) == k])) for k in kinds}
 
     t0 = time.perf_counter()
     res = identify(nominal, datas, options=IdentifyOptions(

@@ -1,5 +1,6 @@
 """An identified parameter set as plain arrays (no rclpy, no torch): :class:`ParameterSet`, what an
-``IdentifiedParameters`` message carries, and :func:`split_name` (``"<element>.<kind>"`` -> element, kind).
+``IdentifiedParameters`` message carries (:func:`split_name` is re-exported from its owner,
+:mod:`tensegrity_ros.param_names`).
 
 The online identifier (:mod:`tensegrity_ros.ident.online`) builds and judges these; the message conversions
 live with the nodes (``nodes._common.parameter_set_to_msg`` / ``parameter_set_from_msg``), which re-export
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from typing import Dict, Tuple
 
 import numpy as np
+
+from .param_names import split_name  # noqa: F401  (re-exported: nodes._common, older callers)
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,3 @@ class ParameterSet:
     def std_dict(self) -> Dict[str, float]:
         return {n: float(v) for n, v in zip(self.names, self.std_devs)}
 
-
-def split_name(name: str) -> Tuple[str, str]:
-    """``"s12.stiffness"`` -> ("s12", "stiffness"); a global name -> ("", name)."""
-    elem, dot, kind = name.rpartition(".")
-    return (elem, kind) if dot else ("", name)

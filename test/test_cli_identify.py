@@ -16,6 +16,7 @@ from tensegrity_ros.bags import (JOINT_STATE, POSE_ARRAY, JointSeries, MarkerSer
                                  write_robot_bag)
 from tensegrity_ros.cli import main
 from tensegrity_ros.model import dump_structure, load_structure
+from tensegrity_ros.param_names import kind_of
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIPULATOR = ROOT / "config" / "models" / "stacked_manipulator.yaml"
@@ -94,7 +95,7 @@ def test_identify_writes_a_valid_structure_file_and_a_report(recorded, tmp_path,
         assert float(r["truth"]) == pytest.approx(truth[n])
         assert float(r["plus_2sigma"]) - float(r["minus_2sigma"]) == pytest.approx(4 * float(r["std"]), rel=1e-6)
         err = float(r["error"])
-        expect = 1e3 * (float(r["value"]) - truth[n]) if n.endswith("rest_length") else \
+        expect = 1e3 * (float(r["value"]) - truth[n]) if kind_of(n) == "rest_length" else \
             100 * (float(r["value"]) / truth[n] - 1)
         assert err == pytest.approx(expect, rel=1e-6, abs=1e-9)
     assert rows["m1.spool_radius"]["status"] == "fixed"                 # not estimated, still listed

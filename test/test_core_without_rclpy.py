@@ -8,7 +8,7 @@ import textwrap
 
 #: (slow subprocess start-ups on a shared CPU, which may also be paused for minutes)
 TIMEOUT_S = 1200
-MODULES = ["tensegrity_ros.parameter_set", "tensegrity_ros.predict.jobs", "tensegrity_ros.predict",
+MODULES = ["tensegrity_ros.param_names", "tensegrity_ros.parameter_set", "tensegrity_ros.predict.jobs", "tensegrity_ros.predict",
            "tensegrity_ros.ident.online", "tensegrity_ros.viz.markers", "tensegrity_ros.viz.render"]
 #: the parts of the nodes' shared code that need no rclpy (their docstrings say so): importable without it
 NODE_MODULES = ["tensegrity_ros.nodes.params", "tensegrity_ros.nodes.stats", "tensegrity_ros.nodes.records",
@@ -72,6 +72,6 @@ def test_the_node_modules_re_export_the_moved_names():
         assert getattr(SP, name) is getattr(predict, name)
     for name in ("Candidate", "AcceptConfig", "Decision", "parameter_bounds", "decide", "held_out_improvement",
                  "DriftDetector", "SlidingWindow", "fit_window", "FitResult", "held_out_mse", "accept_config",
-                 "update_options", "ActiveSet", "SCALE_KINDS", "NESTED_KINDS"):
+                 "update_options", "ActiveSet", "NESTED_KINDS"):
         assert getattr(OI, name) is getattr(ident.online, name)
     assert C.ParameterSet is ParameterSet and C.split_name is split_name

@@ -13,6 +13,7 @@ import torch
 from tensegrity_ros.engine import build_topology, params_from_structure
 from tensegrity_ros.ident import IdentifyOptions, add_marker_noise, drop_frames, identify, make_dataset
 from tensegrity_ros.model import load_structure
+from tensegrity_ros.param_names import kind_of
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("mujoco")
@@ -35,10 +36,10 @@ def test_manipulator_small():
         ds, held_out = full.slice(240, 481), full.slice(480, 601)          # train on 2-4 s, test on 4-5 s
         p = params_from_structure(s)
         true = {n: float(v) for n, v in p.named().items()}
-        names = [n for n in p.names() if n.rpartition(".")[2] in ("stiffness", "damping", "mass")]
+        names = [n for n in p.names() if kind_of(n) in ("stiffness", "damping", "mass")]
         f = np.clip(np.exp(rng.normal(0, 0.2, len(names))), 0.6, 1.4)
         prior = p.with_values({n: true[n] * k for n, k in zip(names, f)})
-        prior = prior.with_values({n: true[n] + rng.normal(0, 0.001) for n in true if n.endswith("rest_length")})
+        prior = prior.with_values({n: true[n] + rng.normal(0, 0.001) for n in true if kind_of(n) == "rest_length"})
         top = build_topology(s)
         total = float(p.mass[torch.as_tensor(np.abs(top.Cb_q).sum(1) > 0)].sum())
         kinds = ("mass", "stiffness", "damping", "rest_length")
@@ -57,7 +58,7 @@ def test_manipulator_small():
         assert probe.prediction_rms(res.params) < probe.prediction_rms(prior)
         # the string stiffnesses move towards the truth (masses and dampings need more data than 5 windows)
         def k_err(v):
-            return np.median([abs(float(v[n]) / true[n] - 1) for n in true if n.endswith(".stiffness")])
+            return np.median([abs(float(v[n]) / true[n] - 1) for n in true if kind_of(n) == "stiffness"])
         print(f"stiffness median error: prior {k_err(prior.named()):.3%}, identified {k_err(res.values()):.3%}")
         assert k_err(res.values()) < 0.2 * k_err(prior.named())       # measured: 16.3 % -> 1.0 %
         # gauge: total moving mass anchored

@@ -20,6 +20,7 @@ from tensegrity_ros.ident import IdentifyOptions, add_marker_noise, identify
 from tensegrity_ros.ident.heldout import compare_on_held_out, prior_dominated, reserve_held_out
 from tensegrity_ros.ident.synthetic import simulate_dataset, twin_dataset
 from tensegrity_ros.model import structure_from_dict
+from tensegrity_ros.param_names import kind_of
 
 from test_string_laws import HOIST, drive
 
@@ -60,7 +61,7 @@ def _z_scores(result, truth_dict):
 
 def _coverage(zs):
     allz = np.array([z for d in zs for z in d.values()])
-    by_kind = {k: float(np.sqrt(np.mean([z ** 2 for d in zs for n, z in d.items() if n.endswith("." + k)])))
+    by_kind = {k: float(np.sqrt(np.mean([z ** 2 for d in zs for n, z in d.items() if kind_of(n) == k])))
                for k in KINDS}
     return float(np.mean(np.abs(allz) <= 2.0)), by_kind
 

@@ -14,6 +14,7 @@ import yaml
 from tensegrity_ros.engine import params_from_structure
 from tensegrity_ros.model import load_structure
 from tensegrity_ros.model.perturb import perturb_structure
+from tensegrity_ros.param_names import kind_of
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("mujoco")
@@ -51,7 +52,7 @@ def test_updates_with_the_shipped_config_converge_on_the_stiffnesses(recording):
     nominal, true, ds = recording
     p = _node_parameters()
     truth = {n: float(v) for n, v in params_from_structure(true).named().items()}
-    stiff = [n for n in truth if n.endswith(".stiffness")]
+    stiff = [n for n in truth if kind_of(n) == "stiffness"]
 
     def k_err(values):
         return float(np.median([abs(values[n] / truth[n] - 1) for n in stiff]))
@@ -93,7 +94,7 @@ def test_a_candidate_made_worse_on_purpose_is_rejected_and_a_better_one_accepted
     truth = params_from_structure(true)
     values = {n: float(v) for n, v in truth.named().items()}
     worse = truth.with_values({n: v * (1.05 if i % 2 else 0.95) for i, (n, v) in
-                               enumerate(x for x in values.items() if x[0].endswith(".stiffness"))})
+                               enumerate(x for x in values.items() if kind_of(x[0]) == "stiffness")})
     sel = ds.times > ds.times[-1] - p["holdout_s"]
     held = make_dataset(ds.times[sel], ds.positions[sel], ds.valid[sel], ds.motor_angles[sel])
     _, options = update_options(p, params_from_structure(nominal))

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from tensegrity_ros.param_names import element_of, kind_of
 from tensegrity_ros.report import figures
 from tensegrity_ros.report import parameter_rows, plot_convergence, plot_plate_motion, rows_csv, rows_markdown
 
@@ -32,7 +33,7 @@ def _history(n_strings=14, n_bars=18, steps=5):
     rng = np.random.default_rng(0)
     names = ([f"s{i}.{k}" for k in ("stiffness", "damping", "rest_length") for i in range(n_strings)]
              + [f"b{i}.mass" for i in range(n_bars)] + ["m1.spool_radius", "m1.zero_offset"])
-    start = {n: (1.0 if n.endswith("rest_length") else 100.0) for n in names}
+    start = {n: (1.0 if kind_of(n) == "rest_length" else 100.0) for n in names}
     hist = []
     for k in range(steps):
         h = {n: v * (1 + 0.1 * rng.normal() / (k + 1)) if not n.startswith("m1.") else v for n, v in start.items()}
@@ -46,7 +47,7 @@ def test_convergence_plot_shows_every_parameter(drawn, tmp_path):
     fig = drawn[0]
     shown = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
     moved = [n for n in names if not n.startswith("m1.")]
-    assert len(moved) == 60 and sorted(shown) == sorted(n.rpartition(".")[0] for n in moved)   # not the first 24
+    assert len(moved) == 60 and sorted(shown) == sorted(element_of(n) for n in moved)   # not the first 24
     titles = [ax.get_title(loc="left") for ax in fig.axes]
     assert any(t.startswith("stiffness (14 parameters)") for t in titles)
     assert any(t.startswith("mass (18 parameters)") for t in titles)

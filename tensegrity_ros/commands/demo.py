@@ -32,6 +32,7 @@ import numpy as np
 
 from . import UserError
 from ..health import EXIT_DEGRADED, format_value
+from ..param_names import kind_of
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the niceness the demo asks for: the simulated robot (twin, emulated bus, driver: what a real robot does in
@@ -177,8 +178,8 @@ def status_line(graph, truth, est_names, t0_ros, elapsed, nominal_err) -> Tuple[
 
 def _by_kind(errs) -> dict:
     """Median error (%) per parameter kind (the suffix of ``element.kind``)."""
-    kinds = sorted({n.rpartition(".")[2] for n in errs})
-    return {k: float(np.median([v for n, v in errs.items() if n.endswith("." + k)])) for k in kinds}
+    kinds = sorted({kind_of(n) for n in errs})
+    return {k: float(np.median([v for n, v in errs.items() if kind_of(n) == k])) for k in kinds}
 
 
 def checked_inputs(args, what: str = "demo"):
@@ -233,13 +234,12 @@ def scoring_baseline(graph, nominal):
     """What a demo scores against: (the true structure, its parameter values by name, the nominal's values, the
     names of the kinds the identifier estimates, the nominal's median error over them in %)."""
     from ..engine import params_from_structure
-    from ..parameter_set import split_name
 
     true_structure = graph.true_structure
     truth = {n: float(v) for n, v in params_from_structure(true_structure).named().items()}
     nom = {n: float(v) for n, v in params_from_structure(nominal).named().items()}
     estimate = graph.nodes["online_identifier"].p["estimate"]
-    est_names = [n for n in nom if split_name(n)[1] in estimate]
+    est_names = [n for n in nom if kind_of(n) in estimate]
     nominal_err = float(np.median(list(parameter_errors(nom, truth, est_names).values())))
     return true_structure, truth, nom, est_names, nominal_err
 

@@ -4,7 +4,9 @@ One :class:`Params` maps one-to-one onto the structure's elements. Every tensor 
 dimensions (``(..., n_strings)``) so that many parameter hypotheses run at once; unbatched params broadcast.
 
 Names: ``"<element>.<kind>"``, e.g. ``s12.stiffness``, ``s12.damping``, ``s12.rest_length``, ``b3.mass``,
-``m1.spool_radius``, ``m1.zero_offset``, plus the global ``control_force_scalar`` (spring-rod engine).
+``m1.spool_radius``, ``m1.zero_offset``, plus the global ``control_force_scalar`` (spring-rod engine). Names,
+kinds and kind groups (:data:`GAUGE_KINDS`, :data:`RELATIVE_KINDS`, ...) and the functions that split and join
+names are owned by :mod:`tensegrity_ros.param_names` (torch-free) and re-exported here.
 
 Unconstrained form (for optimisers and gradient-based identification), see :data:`TRANSFORMS`:
 
@@ -35,20 +37,10 @@ import torch.utils._pytree as pytree
 import yaml
 
 from ..model import Structure
+# names, kinds and kind groups: owned by tensegrity_ros.param_names (torch-free), re-exported here
+from ..param_names import (ELEMENT_GROUPS, GAUGE_KINDS, GLOBAL_KINDS, KIND_NAMES, KINDS, RELATIVE_KINDS,  # noqa: F401
+                           STRING_KINDS, TRANSFORMS, UNITS, element_of, join_name, kind_of, split_name)
 
-#: kind -> (element group, unit, transform name); the order is the order of the unconstrained vector.
-KINDS: Tuple[Tuple[str, str, str, str], ...] = (
-    ("stiffness", "strings", "N/m", "log"),
-    ("damping", "strings", "N s/m", "log"),
-    ("rest_length", "strings", "m", "bounded"),
-    ("mass", "bars", "kg", "log"),
-    ("spool_radius", "actuators", "m", "log"),
-    ("zero_offset", "actuators", "rad", "identity"),
-    ("control_force_scalar", "global", "1", "log"),
-)
-KIND_NAMES = tuple(k[0] for k in KINDS)
-TRANSFORMS = {k[0]: k[3] for k in KINDS}
-UNITS = {k[0]: k[2] for k in KINDS}
 #: rest length bounds relative to the nominal (file) rest length.
 REST_LENGTH_BOUNDS = (0.5, 1.5)
 #: damping values below this (including 0) map to log(DAMPING_FLOOR) in the unconstrained form.
@@ -66,7 +58,7 @@ class ParamsMeta:
     nominal_rest_length: Tuple[float, ...]
 
     def elements(self, kind: str) -> Tuple[str, ...]:
-        group = {k[0]: k[1] for k in KINDS}[kind]
+        group = ELEMENT_GROUPS[kind]
         return ("",) if group == "global" else getattr(self, group)
 
 
@@ -139,24 +131,18 @@ class Params:
     # ---- names --------------------------------------------------------------------------------
     def names(self) -> List[str]:
         """All parameter names in the order of :func:`to_unconstrained` (one per scalar, batch excluded)."""
-        out = []
-        for k in self.kinds():
-            if k == "control_force_scalar":
-                out.append(k)
-            else:
-                out.extend(f"{e}.{k}" for e in self.meta.elements(k))
-        return out
+        return [join_name(e, k) for k in self.kinds() for e in self.meta.elements(k)]
 
     def named(self) -> Dict[str, torch.Tensor]:
         """name -> tensor of shape ``batch_shape`` (views into this params' tensors)."""
         out: Dict[str, torch.Tensor] = {}
         for k in self.kinds():
             t = getattr(self, k)
-            if k == "control_force_scalar":
+            if k in GLOBAL_KINDS:
                 out[k] = t
             else:
                 for i, e in enumerate(self.meta.elements(k)):
-                    out[f"{e}.{k}"] = t[..., i]
+                    out[join_name(e, k)] = t[..., i]
         return out
 
     def with_values(self, values: Mapping[str, Any]) -> "Params":
@@ -180,7 +166,7 @@ class Params:
             if self.control_force_scalar is None:
                 raise ValueError("these params have no control_force_scalar (nodal engine)")
             return name, None
-        elem, _, kind = name.rpartition(".")
+        elem, kind = split_name(name)
         if kind not in KIND_NAMES or kind == "control_force_scalar":
             raise ValueError(f"unknown parameter {name!r}: expected '<element>.<kind>' with kind in "
                              f"{', '.join(KIND_NAMES[:-1])}")

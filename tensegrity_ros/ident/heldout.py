@@ -24,7 +24,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..engine import TRANSFORMS, Params, to_unconstrained
+from ..engine import Params, to_unconstrained
+from ..param_names import RELATIVE_KINDS, kind_of
 from ..model import Structure
 from .data import Dataset
 from .errors import IdentificationError
@@ -171,11 +172,11 @@ def prior_std_of(name: str, center: float, prior_std: Mapping[str, float]) -> Op
     """The prior's standard deviation of parameter ``name`` in its own unit, or None: relative for the
     log-parametrised kinds (x |centre|), absolute for the others, as the refinement applies it (an entry under
     the parameter's own name overrides its kind's)."""
-    kind = name.rpartition(".")[2]
+    kind = kind_of(name)
     sd = prior_std.get(name, prior_std.get(kind))
     if sd is None or not sd > 0:
         return None
-    return float(sd) * abs(center) if TRANSFORMS.get(kind) == "log" else float(sd)
+    return float(sd) * abs(center) if kind in RELATIVE_KINDS else float(sd)
 
 
 def prior_dominated(std_devs: Mapping[str, float], center: Mapping[str, float], prior_std: Mapping[str, float],

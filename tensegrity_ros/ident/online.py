@@ -25,14 +25,13 @@ from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ..model import Structure
-from ..parameter_set import ParameterSet, split_name
+from ..param_names import RELATIVE_KINDS, STRING_KINDS, kind_of, split_name
+from ..parameter_set import ParameterSet
 
 
 # =====================================================================================================
 # pure decision logic (no rclpy, no torch)
 # =====================================================================================================
-#: kinds bounded by a factor around the nominal value
-SCALE_KINDS = ("stiffness", "damping", "mass", "spool_radius", "control_force_scalar")
 
 
 @dataclass(frozen=True)
@@ -65,9 +64,10 @@ class AcceptConfig:
     """Acceptance rules of :func:`decide`.
 
     max_residual_ratio / residual_floor_m: a residual above max(ratio x reference, floor) is a jump; the
-    reference is the median residual of the last ``reference_sets`` accepted sets. bounds_factor: scale
-    parameters (stiffness, damping, mass, spool radius) must stay within [nominal / f, nominal x f]
-    (damping: [0, max(nominal x f, damping_floor)]); rest_lengths within ``rest_length_bounds`` x nominal
+    reference is the median residual of the last ``reference_sets`` accepted sets. bounds_factor: parameters of
+    the relative kinds (``param_names.RELATIVE_KINDS``: stiffness, damping, mass, spool radius, control gain)
+    must stay within [nominal / f, nominal x f] (damping: [0, max(nominal x f, damping_floor)]); rest_lengths
+    within ``rest_length_bounds`` x nominal
     (the engine's); zero offsets within ``zero_offset_range_rad`` of nominal. require_converged: refuse a
     fit whose optimiser did not converge (off by default: a few stage-2 iterations rarely converge fully).
     margin_sigma: a fit is accepted only if it predicts the held-out windows (recent data it was not fitted
@@ -105,10 +105,10 @@ class Decision:
 
 def parameter_bounds(name: str, nominal: float, cfg: AcceptConfig) -> Tuple[float, float]:
     """(lo, hi) allowed for parameter ``name`` with nominal value ``nominal``."""
-    kind = split_name(name)[1]
+    kind = kind_of(name)
     if kind == "damping":
         return 0.0, max(abs(nominal) * cfg.bounds_factor, cfg.damping_floor)
-    if kind in SCALE_KINDS:
+    if kind in RELATIVE_KINDS:
         return abs(nominal) / cfg.bounds_factor, abs(nominal) * cfg.bounds_factor
     if kind == "rest_length":
         return nominal * cfg.rest_length_bounds[0], nominal * cfg.rest_length_bounds[1]
@@ -199,8 +199,6 @@ class DriftDetector:
     moved_fraction x |value|). Pure Python.
     """
 
-    STRING_KINDS = ("stiffness", "damping", "rest_length")
-
     def __init__(self, string_names: Sequence[str], ratio: float = 1.5, window: int = 5,
                  stable_fraction: float = 0.02, moved_sigma: float = 3.0, moved_fraction: float = 0.05):
         self.strings = set(string_names)
@@ -243,7 +241,7 @@ class DriftDetector:
         moved: Dict[str, List[str]] = {}
         for name, v in fit_values.items():
             elem, kind = split_name(name)
-            if elem not in self.strings or kind not in self.STRING_KINDS or name not in self._active:
+            if elem not in self.strings or kind not in STRING_KINDS or name not in self._active:
                 continue
             a = self._active[name]
             sd = fit_std.get(name, 0.0)
@@ -433,7 +431,7 @@ def fit_window(structure: Structure, times, positions, valid, motors, prior_valu
             values = res.values()
             kinds = [k for k in NESTED_KINDS if k in tuple(options.estimate)]
             # nested candidates: the fit's values of the first j kinds, the rest kept at the active set's
-            nested = [{n: v for n, v in values.items() if split_name(n)[1] in kinds[:j]}
+            nested = [{n: v for n, v in values.items() if kind_of(n) in kinds[:j]}
                       for j in range(1, len(kinds) + 1)] or [values]
             sets = [prior.with_values(c) for c in nested]
             *mses, act_mse = held_out_mse(structure, held, (*sets, prior), options, holdout_window_s, holdout_windows)

@@ -23,12 +23,13 @@ import torch
 
 from ..engine import Params, build_topology, params_from_structure
 from ..model import Structure
+from ..param_names import GAUGE_KINDS, join_name, kind_of
 from .data import Dataset, screen_dataset
 from .errors import DataError, DivergenceError, IdentificationError, NotEnoughDataError
 from .heldout import HeldOutCheck, compare_on_held_out, prior_dominated, reserve_held_out
 from .mismatch import MismatchOptions, ModelMismatch, check_model
 from .refine import RefineOptions, RefineProblem, RefineResult, refine
-from .regression import SCALE_KINDS, RegressionOptions, RegressionResult, regress
+from .regression import RegressionOptions, RegressionResult, regress
 
 __all__ = ["IdentifyOptions", "IdentificationResult", "identify", "STAGES", "structure_prior_std"]
 
@@ -290,8 +291,9 @@ def structure_prior_std(structure: Structure, prior_std: Mapping[str, float]) ->
     ``prior_std`` is kept (the caller's word wins)."""
     out = dict(prior_std)
     for b in structure.bars:
-        if b.mass_std is not None and f"{b.name}.mass" not in prior_std:
-            out[f"{b.name}.mass"] = float(b.mass_std) / float(b.mass)
+        name = join_name(b.name, "mass")
+        if b.mass_std is not None and name not in prior_std:
+            out[name] = float(b.mass_std) / float(b.mass)
     return out
 
 
@@ -329,7 +331,7 @@ def _far_from(params: Params, prior: Params, factor: float):
     manipulator at 0.3 mm noise). Such a start can still out-predict a 20 %-off prior over short windows (it
     lets the structure sag instead of ring) and stage 2 then refines a wrong basin, so it is not used."""
     for (name, v), p0 in zip(params.named().items(), prior.named().values()):
-        if name.rpartition(".")[2] not in SCALE_KINDS or not float(p0) > 0:
+        if kind_of(name) not in GAUGE_KINDS or not float(p0) > 0:
             continue
         r = float(v) / float(p0)
         if not (1.0 / factor <= r <= factor):

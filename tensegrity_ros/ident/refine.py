@@ -42,13 +42,13 @@ import torch
 
 from ..engine import REST_LENGTH_BOUNDS, Inputs, Params, from_unconstrained, make_engine, to_unconstrained
 from ..model import Structure
+from ..param_names import GAUGE_KINDS, element_of, join_name, kind_of
 from .data import Dataset, derivatives
 from .errors import DivergenceError, NotEnoughDataError
 from .workers import window_workers
 
-__all__ = ["RefineOptions", "RefineResult", "refine", "RefineProblem", "SCALE_KINDS"]
+__all__ = ["RefineOptions", "RefineResult", "refine", "RefineProblem"]
 
-SCALE_KINDS = ("stiffness", "damping", "mass", "control_force_scalar")
 #: Jacobian methods of the Gauss-Newton refinement (``RefineOptions.jacobian``)
 JACOBIANS = ("auto", "tangent", "central", "forward", "forward_ad")
 DELAY_UNIT_S = 0.01
@@ -268,7 +268,7 @@ def stable_step(top, params: Params, positions: Optional[np.ndarray] = None, saf
 
 def _groups(names: List[str], free_names: List[str], ties) -> List[List[int]]:
     index = {n: k for k, n in enumerate(names)}
-    kinds = [n.rpartition(".")[2] if "." in n else n for n in names]
+    kinds = [kind_of(n) for n in names]
     assigned = set()
     groups: List[List[int]] = []
     free_set = set(free_names)
@@ -311,7 +311,7 @@ class RefineProblem:
         self.template = start
         self.names = start.names()
         self.z_start = to_unconstrained(start).detach()
-        kinds = [n.rpartition(".")[2] if "." in n else n for n in self.names]
+        kinds = [kind_of(n) for n in self.names]
         if opts.free is not None:
             unknown = [n for n in opts.free if n not in self.names]
             if unknown:
@@ -323,7 +323,7 @@ class RefineProblem:
         # bars welded to the world and strings never in the data cannot move anything: keep them out
         movable = np.abs(top.Cb_q).sum(axis=1) > 0
         bar_index = {b: i for i, b in enumerate(top.bar_names)}
-        free = [n for n in free if not (n.endswith(".mass") and not movable[bar_index[n.rpartition(".")[0]]])]
+        free = [n for n in free if not (kind_of(n) == "mass" and not movable[bar_index[element_of(n)]])]
         self.free_names = free
         self.groups = _groups(self.names, free, opts.ties)
         P, G = len(self.names), len(self.groups)
@@ -336,7 +336,7 @@ class RefineProblem:
             k0 = mem[0]
             kind = kinds[k0]
             if kind == "rest_length":
-                el = start.meta.strings.index(self.names[k0].rpartition(".")[0])
+                el = start.meta.strings.index(element_of(self.names[k0]))
                 sg = 1.0 / (1.0 + math.exp(-zs[k0]))
                 sc = REST_UNIT_M / ((REST_LENGTH_BOUNDS[1] - REST_LENGTH_BOUNDS[0]) * nom[el] * sg * (1 - sg))
             elif kind == "zero_offset":
@@ -352,7 +352,7 @@ class RefineProblem:
             if sd is None or not (sd > 0):
                 continue
             if kind == "rest_length":
-                el = start.meta.strings.index(self.names[k].rpartition(".")[0])
+                el = start.meta.strings.index(element_of(self.names[k]))
                 sg = 1.0 / (1.0 + math.exp(-zs[k]))
                 dxdz = (REST_LENGTH_BOUNDS[1] - REST_LENGTH_BOUNDS[0]) * nom[el] * sg * (1 - sg)
                 prec[k] = (dxdz / sd) ** 2
@@ -365,10 +365,10 @@ class RefineProblem:
             c = opts.prior_center.map(lambda t: t.detach().to(dtype=opts.dtype, device=dev))
             self.prior_offset = (self.z_start - to_unconstrained(c)).detach()
         # scale gauge
-        scale_dir = torch.tensor([1.0 if k in SCALE_KINDS else 0.0 for k in kinds], dtype=opts.dtype, device=dev)
+        scale_dir = torch.tensor([1.0 if k in GAUGE_KINDS else 0.0 for k in kinds], dtype=opts.dtype, device=dev)
         for b, mv in enumerate(movable):  # immovable masses do not carry the scale
             if not mv:
-                scale_dir[self.names.index(f"{top.bar_names[b]}.mass")] = 0.0
+                scale_dir[self.names.index(join_name(top.bar_names[b], "mass"))] = 0.0
         has_known_force = any(d.external_forces is not None and np.any(d.external_forces) for d in data)
         if any((d.control_forces is not None and np.any(d.control_forces)) for d in data) and \
                 "control_force_scalar" not in free:
@@ -377,7 +377,7 @@ class RefineProblem:
         # weighed masses (a Gaussian prior on them) set the scale with their uncertainty, unless an explicit
         # total_mass anchors it
         mass_prior = opts.total_mass is None and any(
-            float(opts.prior_std.get(f"{b}.mass", opts.prior_std.get("mass")) or 0.0) > 0
+            float(opts.prior_std.get(join_name(b, "mass"), opts.prior_std.get("mass")) or 0.0) > 0
             for b, mv in zip(top.bar_names, movable) if mv)
         self.gauge = bool(scale_free and not has_known_force and any(scale_dir[k] > 0 for k in range(P))
                           and not mass_prior)

@@ -48,13 +48,12 @@ import numpy as np
 from ..engine import Params, build_topology, params_from_structure
 from ..engine.topology import Topology
 from ..model import Structure
+from ..param_names import GAUGE_KINDS, join_name, kind_of, split_name
 from .data import Dataset, derivatives
 from .errors import DataError, NotEnoughDataError
 
-__all__ = ["RegressionOptions", "RegressionResult", "regress", "SCALE_KINDS", "identifiability_reference"]
+__all__ = ["RegressionOptions", "RegressionResult", "regress", "identifiability_reference"]
 
-#: kinds that carry the force scale (all multiplied by the same factor leave the motion unchanged)
-SCALE_KINDS = ("mass", "stiffness", "damping", "control_force_scalar")
 #: kinds the regression can estimate
 REGRESSION_KINDS = ("mass", "stiffness", "damping", "rest_length", "control_force_scalar")
 
@@ -488,7 +487,7 @@ def _layout(top: Topology, prior: Params, opts: RegressionOptions) -> Tuple[_Lay
             elem.append(0)
             continue
         for k, e in enumerate(elements[kind]):
-            names.append(f"{e}.{kind}")
+            names.append(join_name(e, kind))
             kinds.append(kind)
             elem.append(k)
     index = {n: k for k, n in enumerate(names)}
@@ -496,7 +495,7 @@ def _layout(top: Topology, prior: Params, opts: RegressionOptions) -> Tuple[_Lay
     for n, v in opts.known.items():
         if n not in index:
             continue  # known and not estimated: handled through the current values
-        if n.endswith(".rest_length"):
+        if kind_of(n) == "rest_length":
             known_full[index[n]] = 0.0  # deviation from the (known) current rest length
         else:
             known_full[index[n]] = float(v)
@@ -536,7 +535,7 @@ def _current_values(prior: Params, opts: RegressionOptions) -> Dict[str, np.ndar
     cur["prior_damping"] = np.abs(cur["damping"]).copy()
     meta = prior.meta
     for n, v in opts.known.items():
-        elem, _, kind = n.rpartition(".")
+        elem, kind = split_name(n)
         if n == "control_force_scalar":
             cur[n][0] = float(v)
             continue
@@ -617,7 +616,7 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
                         a[g] += 1.0
             if not a.any():
                 # no mass estimated: anchor the first scale-carrying group at its current value
-                g0 = next((g for g, mem in enumerate(lay.groups) if lay.kinds[mem[0]] in SCALE_KINDS), 0)
+                g0 = next((g for g, mem in enumerate(lay.groups) if lay.kinds[mem[0]] in GAUGE_KINDS), 0)
                 a[g0] = 1.0
                 k0 = lay.groups[g0][0]
                 d = float(cur[lay.kinds[k0]][lay.elem[k0]])
@@ -797,8 +796,7 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
             ref_val = d
             ref = gauge
         for name in out_names:
-            kind = name.rpartition(".")[2]
-            if kind in SCALE_KINDS or name == "control_force_scalar":
+            if kind_of(name) in GAUGE_KINDS:
                 gauge_names.add(name)
                 if name != ref:
                     ratios[f"{name}/{ref}"] = (estimates[name] / ref_val, std[name] / ref_val)
@@ -813,7 +811,7 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
     ident: Dict[str, float] = {}
     identifiable: Dict[str, bool] = {}
     for name in out_names:
-        kind = name.rpartition(".")[2]
+        kind = kind_of(name)
         el = lay.elem[lay.names.index(name)]
         refv = identifiability_reference(kind, estimates[name], nominal_rest[el] if kind == "rest_length" else None)
         score = float(np.clip(1.0 - std[name] / refv, 0.0, 1.0)) if np.isfinite(std[name]) else 0.0

@@ -31,7 +31,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..engine.params import REST_LENGTH_BOUNDS, TRANSFORMS
+from ..engine.params import REST_LENGTH_BOUNDS
+from ..param_names import GAUGE_KINDS, TRANSFORMS, element_of, join_name, kind_of
 from .refine import DELAY_UNIT_S, RefineProblem
 from .regression import identifiability_reference
 from .workers import window_workers
@@ -211,7 +212,7 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     Czs = {k: Jz @ c @ Jz.T for k, c in calib.items()}
     _, zf = prob.finalize(w)
     names = prob.names
-    kinds = [n.rpartition(".")[2] if "." in n else n for n in names]
+    kinds = [kind_of(n) for n in names]
     notes: List[str] = []
     gauge_desc = ""
     if prob.gauge:
@@ -222,7 +223,7 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
         dc = np.zeros(P + 1)
         for b, bname in enumerate(prob.top.bar_names):
             if mv[b]:
-                dc[names.index(f"{bname}.mass")] = -m[b] / m[mv].sum()
+                dc[names.index(join_name(bname, "mass"))] = -m[b] / m[mv].sum()
         s = np.zeros(P + 1)
         s[:P] = prob.scale_dir.detach().cpu().double().numpy()
         Jf = np.eye(P + 1) + np.outer(s, dc)
@@ -267,13 +268,12 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
                 unexcited.add("delay_s")
             weak.append("not identifiable: " + _format(zdir[out_idx], out_names))
     # weak combinations: eigenvectors of the covariance of relative (log-like) changes
-    rel = np.array([std[n] / max(identifiability_reference(n.rpartition(".")[2] if "." in n else
-                                                          ("delay" if n == "delay_s" else n), params_f[n],
-                                                          _nominal(prob, n)), 1e-300) for n in out_names])
+    def reference(n):   # identifiability_reference of parameter (or delay_s) n
+        return identifiability_reference("delay" if n == "delay_s" else kind_of(n), params_f[n], _nominal(prob, n))
+
+    rel = np.array([std[n] / max(reference(n), 1e-300) for n in out_names])
     if cov.size:
-        Dn = np.array([identifiability_reference(n.rpartition(".")[2] if "." in n else
-                                                 ("delay" if n == "delay_s" else n), params_f[n], _nominal(prob, n))
-                       for n in out_names])
+        Dn = np.array([reference(n) for n in out_names])
         Cn = cov / Dn[:, None] / Dn[None, :]
         if prob.gauge:
             # the gauge direction itself is not a weakness of the data
@@ -286,11 +286,10 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     ratios: Dict[str, Tuple[float, float]] = {}
     gauge_names = set()
     if prob.gauge:
-        mv_names = [f"{b}.mass" for b, m_ in zip(prob.top.bar_names, prob.movable) if m_]
+        mv_names = [join_name(b, "mass") for b, m_ in zip(prob.top.bar_names, prob.movable) if m_]
         ref = mv_names[0] if len(mv_names) == 1 else "total_mass"
         for n in out_names:
-            k = n.rpartition(".")[2] if "." in n else n
-            if k in ("stiffness", "damping", "mass", "control_force_scalar"):
+            if kind_of(n) in GAUGE_KINDS:
                 gauge_names.add(n)
                 if n != ref:
                     ratios[f"{n}/{ref}"] = (params_f[n] / prob.total_mass, std[n] / prob.total_mass)
@@ -308,7 +307,7 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
 
 
 def _nominal(prob: RefineProblem, name: str) -> Optional[float]:
-    if name.endswith(".rest_length"):
-        s = name.rpartition(".")[0]
+    if kind_of(name) == "rest_length":
+        s = element_of(name)
         return prob.template.meta.nominal_rest_length[prob.template.meta.strings.index(s)]
     return None

@@ -17,7 +17,8 @@ from sensor_msgs.msg import JointState
 from tensegrity_ros.msg import IdentifiedParameters, NodeStates, PredictedStates
 
 from ..frames import matrix_from_quaternion, quaternion_from_matrix
-from ..parameter_set import ParameterSet, split_name
+from ..param_names import join_name, split_name
+from ..parameter_set import ParameterSet
 from .records import JointRecord, NodeStatesRecord, Prediction
 
 
@@ -229,7 +230,7 @@ def parameter_set_from_msg(msg: IdentifiedParameters) -> ParameterSet:
     n = len(msg.values)
     if not (len(msg.element_names) == len(msg.kinds) == n == len(msg.std_devs)):
         raise ValueError("IdentifiedParameters: element_names, kinds, values and std_devs differ in length")
-    names = tuple(f"{e}.{k}" if e else k for e, k in zip(msg.element_names, msg.kinds))
+    names = tuple(join_name(e, k) for e, k in zip(msg.element_names, msg.kinds))
     ident = np.asarray(msg.identifiability, dtype=float) if len(msg.identifiability) == n else np.full(n, np.nan)
     return ParameterSet(msg.parameter_set_id, names, np.asarray(msg.values, dtype=float),
                         np.asarray(msg.std_devs, dtype=float), ident, float(msg.fit_residual),

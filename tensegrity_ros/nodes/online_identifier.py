@@ -28,7 +28,7 @@ from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..ident.online import (NESTED_KINDS, SCALE_KINDS, AcceptConfig, ActiveSet, Candidate,  # noqa: F401
+from ..ident.online import (NESTED_KINDS, AcceptConfig, ActiveSet, Candidate,  # noqa: F401
                             Decision, DriftDetector, FitResult, SlidingWindow, accept_config, decide,
                             fit_window, held_out_improvement, held_out_mse, parameter_bounds, update_options)
 from ..model import Structure, load_structure

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ..frames import FRAME_NODES, euler_zyx, frame_from_nodes, relative_pose  # noqa: E402
-from ..parameter_set import split_name  # noqa: E402
+from ..param_names import element_of, kind_of  # noqa: E402
 
 AXES_POS = ("x", "y", "z")
 AXES_EUL = ("yaw (Z)", "pitch (Y)", "roll (X)")
@@ -131,7 +131,7 @@ def plot_convergence(history: Sequence[Mapping[str, float]], path: Path, truth: 
     groups: Dict[str, List[str]] = {}
     constant: Dict[str, int] = {}                   # kinds none of whose parameters ever moved: one line, no panel
     for n in names:
-        groups.setdefault(split_name(n)[1], []).append(n)
+        groups.setdefault(kind_of(n), []).append(n)
     for kind in list(groups):
         if all(len({h.get(n) for h in history}) == 1 for n in groups[kind]):
             constant[kind] = len(groups.pop(kind))
@@ -154,7 +154,7 @@ def plot_convergence(history: Sequence[Mapping[str, float]], path: Path, truth: 
                 y = 100.0 * (vals / scale - 1.0)
             else:
                 y = factor * (vals - ref[n])
-            ax.plot(x, y, lw=0.9, label=n.rpartition(".")[0] or n)
+            ax.plot(x, y, lw=0.9, label=element_of(n) or n)
         ax.set_title(f"{kind} ({len(members)} parameter{'s' if len(members) != 1 else ''}): "
                      f"{'error' if truth else 'difference'} vs the {against}", fontsize=9, loc="left")
         ax.set_ylabel("[%]" if relative else f"[{unit}]")
@@ -234,7 +234,7 @@ def parameter_rows(values: Mapping[str, float], std_devs: Mapping[str, float] = 
     nan = float("nan")
     rows = []
     for n, v in values.items():
-        kind = split_name(n)[1]
+        kind = kind_of(n)
         sd = float(std_devs.get(n, nan))
         tv = float(truth.get(n, nan))
         unit_shown, factor, relative = _display(kind)

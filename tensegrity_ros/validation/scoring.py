@@ -10,37 +10,32 @@ a parameter without one counts as outside (``missing_sigma`` says how many).
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Tuple
+from typing import Iterable, Tuple
 
 import numpy as np
 
 from ..model import Structure
+from ..param_names import ELEMENT_GROUPS, RELATIVE_KINDS, join_name
 
-#: kind -> (element group, attribute, relative?)
-KINDS: Dict[str, Tuple[str, str, bool]] = {
-    "stiffness": ("strings", "stiffness", True),
-    "damping": ("strings", "damping", True),
-    "mass": ("bars", "mass", True),
-    "rest_length": ("strings", "rest_length", False),
-}
+#: the kinds scored (errors of RELATIVE_KINDS relative, the others absolute)
+KINDS: Tuple[str, ...] = ("stiffness", "damping", "mass", "rest_length")
 #: issue 17 item 6's targets on the median error per kind (fractions; rest length in metres) and on coverage.
 TARGETS = {"stiffness": 0.05, "damping": 0.15, "mass": 0.03, "rest_length": 0.001}
 COVERAGE_TARGET = 0.90
 
 
-def _values(s: Structure, group: str, attr: str) -> Tuple[Tuple[str, ...], np.ndarray]:
-    elems = getattr(s, group)
-    return tuple(e.name for e in elems), np.array([float(getattr(e, attr)) for e in elems])
+def _values(s: Structure, kind: str) -> Tuple[Tuple[str, ...], np.ndarray]:
+    elems = getattr(s, ELEMENT_GROUPS[kind])
+    return tuple(e.name for e in elems), np.array([float(getattr(e, kind)) for e in elems])
 
 
 def _errors(truth: Structure, other: Structure, kind: str) -> Tuple[Tuple[str, ...], np.ndarray]:
-    group, attr, rel = KINDS[kind]
-    names, t = _values(truth, group, attr)
-    names_o, v = _values(other, group, attr)
+    names, t = _values(truth, kind)
+    names_o, v = _values(other, kind)
     if names != names_o:
         raise ValueError(f"{kind}: elements differ between the truth and {other.name} ({names} vs {names_o})")
     err = v - t
-    return names, (err / t if rel else err)
+    return names, (err / t if kind in RELATIVE_KINDS else err)
 
 
 def score(truth: Structure, nominal: Structure, identified: Structure, kinds: Iterable[str] = tuple(KINDS)) -> dict:
@@ -49,12 +44,11 @@ def score(truth: Structure, nominal: Structure, identified: Structure, kinds: It
     out: dict = {"kinds": {}}
     inside = total = missing = 0
     for kind in kinds:
-        group, attr, rel = KINDS[kind]
         names, err = _errors(truth, identified, kind)
         _, nom = _errors(truth, nominal, kind)
-        _, t = _values(truth, group, attr)
-        _, v = _values(identified, group, attr)
-        sig = np.array([std.get(f"{n}.{kind}", np.nan) for n in names])
+        _, t = _values(truth, kind)
+        _, v = _values(identified, kind)
+        sig = np.array([std.get(join_name(n, kind), np.nan) for n in names])
         z = (v - t) / sig
         ok = np.isfinite(z) & (np.abs(z) <= 2.0)
         inside += int(ok.sum())
@@ -62,7 +56,7 @@ def score(truth: Structure, nominal: Structure, identified: Structure, kinds: It
         missing += int((~np.isfinite(sig)).sum())
         zf = z[np.isfinite(z)]
         out["kinds"][kind] = {
-            "unit": "relative" if rel else "m",
+            "unit": "relative" if kind in RELATIVE_KINDS else "m",
             "median": float(np.median(np.abs(err))), "max": float(np.max(np.abs(err))),
             "nominal_median": float(np.median(np.abs(nom))),
             "better_than_nominal": bool(np.median(np.abs(err)) < np.median(np.abs(nom))),
