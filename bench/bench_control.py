@@ -24,9 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "build" / "bench" / "control.json"
-DEMO_OUT = ROOT / "build" / "bench" / "control_demo"
+from tensegrity_ros.paths import REPO_ROOT
+
+OUT = REPO_ROOT / "build" / "bench" / "control.json"
+DEMO_OUT = REPO_ROOT / "build" / "bench" / "control_demo"
 
 #: (label, key in the control block, target text, check)
 TARGETS = [
@@ -57,7 +58,7 @@ def run(ident_s: float = 60.0, seed: int = 0, out: Path = OUT, demo_out: Path = 
            "--seed", str(seed), "--out", str(demo_out), "--no-bag", "--force"]
     load0 = os.getloadavg()
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=str(REPO_ROOT), capture_output=True, text=True)
     wall = time.monotonic() - t0
     summary_path = demo_out / "summary.json"
     if proc.returncode not in (0, 3) or not summary_path.is_file():

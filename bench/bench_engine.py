@@ -23,16 +23,14 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / "build" / "torchinductor"))
+from tensegrity_ros.paths import REPO_ROOT  # noqa: E402
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / "build" / "torchinductor"))
 
 from tensegrity_ros.engine import Inputs, make_engine  # noqa: E402
 from tensegrity_ros.engine._common import setup_compile  # noqa: E402
@@ -161,7 +159,7 @@ def run(structures=tuple(STRUCTURES), batches=(1, 64, 1024), grads=(False, True)
                "torch": torch.__version__, "skipped": list(skip)}
     todo = [(n, i) for n in structures for i in STRUCTURES[n]]
     for name, integ in todo:
-        s = load_structure(ROOT / "config" / "models" / f"{name}.yaml")
+        s = load_structure(REPO_ROOT / "config" / "models" / f"{name}.yaml")
         eng = make_engine(s, "nodal", integ, dtype=torch.float32)
         r = {"integrator": integ, "engine": {}}
         tag = f"{name}/{integ}"
@@ -219,7 +217,7 @@ def run(structures=tuple(STRUCTURES), batches=(1, 64, 1024), grads=(False, True)
             results[name].update(r)
         else:
             results[name][integ] = r
-    out = ROOT / "build" / "bench" / "engine.json"
+    out = REPO_ROOT / "build" / "bench" / "engine.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     log(f"wrote {out}")

@@ -38,15 +38,14 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tensegrity_ros.paths import REPO_ROOT  # noqa: E402
 
 from tensegrity_ros.cli import main as cli  # noqa: E402
 from tensegrity_ros.model import load_structure  # noqa: E402
 from tensegrity_ros.validation import independent as I  # noqa: E402
 from tensegrity_ros.validation.scoring import COVERAGE_TARGET, TABLE_HEADER, TARGETS, format_row, score  # noqa: E402
 
-OUT = ROOT / "build" / "bench"
+OUT = REPO_ROOT / "build" / "bench"
 LAB_FLAGS = ["--noise-mm", "1", "--estimate-delay", "--prior-std",
              "stiffness=0.2,damping=0.2,mass=0.02,rest_length=0.002"]
 

@@ -19,11 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from tensegrity_ros.paths import REPO_ROOT
 
-OUT = ROOT / "build" / "bench" / "graph.json"
+OUT = REPO_ROOT / "build" / "bench" / "graph.json"
 
 
 def _cpu_s(pid: int) -> float:

@@ -28,9 +28,9 @@ from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+from tensegrity_ros.paths import REPO_ROOT  # noqa: E402
+
+REPO = str(REPO_ROOT)
 
 from tensegrity_ros.hardware.driver_core import DriverCore, MotorSpec, RateScheduler  # noqa: E402
 from tensegrity_ros.hardware.dynamixel.bus import DynamixelBus  # noqa: E402

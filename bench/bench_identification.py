@@ -28,14 +28,12 @@ import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tensegrity_ros.paths import REPO_ROOT  # noqa: E402
 
 from tensegrity_ros.engine import Inputs, make_engine, params_from_structure  # noqa: E402
 from tensegrity_ros.ident import (LONGER_WINDOWS_LADDER, IdentifyOptions, add_marker_noise, drop_frames,  # noqa: E402
@@ -47,8 +45,8 @@ from tensegrity_ros.ident.synthetic import random_initial_state  # noqa: E402
 from tensegrity_ros.model import load_structure  # noqa: E402
 from tensegrity_ros.param_names import kind_of  # noqa: E402
 
-MODELS = ROOT / "config" / "models"
-OUT = ROOT / "build" / "bench"
+MODELS = REPO_ROOT / "config" / "models"
+OUT = REPO_ROOT / "build" / "bench"
 DT = 1e-3
 
 PAPER_SPRING_ROD = {  # Sec. 4.1 table: K/M, c/M, s/iteration, success
@@ -336,7 +334,7 @@ def manipulator_problem(duration_s: float = 14.0, noise_m: float = 1e-3, drop: f
     from tensegrity_ros.references import load_reference, motor_angles
     from tensegrity_ros.twin import simulate
     s = load_structure(MODELS / "stacked_manipulator.yaml")
-    ref = load_reference(ROOT / "config" / "references" / "seed_sinusoids.yaml")
+    ref = load_reference(REPO_ROOT / "config" / "references" / "seed_sinusoids.yaml")
     fn = lambda t: motor_angles(ref, s.actuators, t)  # noqa: E731
     # RK4: MuJoCo's default implicitfast is mm-level off the converged physics at 1 ms on this model (docs/twin.md);
     # with it as ground truth the engine at the TRUE parameters missed 0.25-s windows by 2 mm (RK4: 0.1 mm)

@@ -22,14 +22,13 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any, Dict, List
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from tensegrity_ros.paths import REPO_ROOT  # noqa: E402
+
+sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 from bench_identification import DT, MODELS, _ours, twin_dataset  # noqa: E402
 from tensegrity_ros.engine import params_from_structure  # noqa: E402
@@ -41,7 +40,7 @@ from tensegrity_ros.model import load_structure  # noqa: E402
 from tensegrity_ros.param_names import kind_of  # noqa: E402
 from tensegrity_ros.validation.independent import draw_truth, load_suite_structure  # noqa: E402
 
-OUT = ROOT / "build" / "bench"
+OUT = REPO_ROOT / "build" / "bench"
 
 
 def _log(*a):

@@ -14,12 +14,11 @@ import json
 import sys
 import time
 import traceback
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-OUT = ROOT / "build" / "bench"
+from tensegrity_ros.paths import REPO_ROOT  # noqa: E402
+
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+OUT = REPO_ROOT / "build" / "bench"
 
 #: name -> (module in bench/, kwargs for a full run, kwargs for --quick)
 BENCHES = {

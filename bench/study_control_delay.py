@@ -6,7 +6,6 @@ usage: python bench/study_control_delay.py DELAY_STEPS(10 ms) COMPENSATE(0|1) MO
 """
 import ast
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -14,11 +13,12 @@ from tensegrity_ros import frames as F
 from tensegrity_ros.control import MPCOptions, PlateMPC, PlateOutputMap
 from tensegrity_ros.model import load_structure
 from tensegrity_ros.model.perturb import perturb_structure
+from tensegrity_ros.paths import CONFIG_DIR
 from tensegrity_ros.predict.horizon import HorizonPredictor
 from tensegrity_ros.twin.sim import TwinSim
 from tensegrity_ros.workers import limit_blas_threads
 torch.set_num_threads(1); limit_blas_threads(1)
-s = load_structure(Path(__file__).resolve().parents[1] / 'config' / 'models' / 'stacked_manipulator.yaml')
+s = load_structure(CONFIG_DIR / 'models' / 'stacked_manipulator.yaml')
 core = HorizonPredictor(s, dt=0.01, nominal="twin", jac_stride=10)
 omap = PlateOutputMap.from_structure(s); names = s.node_names
 d = int(sys.argv[1]); comp = int(sys.argv[2]); off = float(sys.argv[3]); cycles = int(sys.argv[4])

@@ -182,7 +182,9 @@ class RobotRecording:
 def package_msg_dirs() -> List[Path]:
     """Folders holding this package's .msg files: the source tree's msg/, then installed share/ folders."""
     out = []
-    src = Path(__file__).resolve().parents[1] / "msg"
+    from .paths import REPO_ROOT
+
+    src = REPO_ROOT / "msg"
     if src.is_dir():
         out.append(src)
     for prefix in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep):

@@ -35,11 +35,11 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 
 from .nodes import _common as C
+from .paths import CONFIG_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG_NODES = ROOT / "config" / "nodes"
-DEFAULT_MODEL = ROOT / "config" / "models" / "stacked_manipulator.yaml"
-DEFAULT_REFERENCE = ROOT / "config" / "references" / "seed_sinusoids.yaml"
+CONFIG_NODES = CONFIG_DIR / "nodes"
+DEFAULT_MODEL = CONFIG_DIR / "models" / "stacked_manipulator.yaml"
+DEFAULT_REFERENCE = CONFIG_DIR / "references" / "seed_sinusoids.yaml"
 #: what a graph starts by default; NODE_ORDER adds the nodes started only when asked for (``plate_controller``:
 #: ``tensegrity demo --controller``, ``sim.launch.py controller:=true``)
 DEFAULT_NODES = ("sim_robot", "dynamixel_driver", "mocap_ingest", "online_identifier", "state_predictor",

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Mapping, Optional, Tuple
 
+from .paths import CONFIG_DIR
+
 #: exit code of a run that completed and wrote everything, but whose health figures fell below a threshold
 EXIT_DEGRADED = 3
 
-DEFAULT_THRESHOLDS = Path(__file__).resolve().parents[1] / "config" / "health.yaml"
+DEFAULT_THRESHOLDS = CONFIG_DIR / "health.yaml"
 
 OPS = ("min", "max")
 

@@ -8,8 +8,9 @@ import textwrap
 
 #: (slow subprocess start-ups on a shared CPU, which may also be paused for minutes)
 TIMEOUT_S = 1200
-MODULES = ["tensegrity_ros.param_names", "tensegrity_ros.parameter_set", "tensegrity_ros.predict.jobs", "tensegrity_ros.predict",
-           "tensegrity_ros.ident.online", "tensegrity_ros.viz.markers", "tensegrity_ros.viz.render"]
+MODULES = ["tensegrity_ros.param_names", "tensegrity_ros.paths", "tensegrity_ros.parameter_set",
+           "tensegrity_ros.predict.jobs", "tensegrity_ros.predict", "tensegrity_ros.ident.online",
+           "tensegrity_ros.viz.markers", "tensegrity_ros.viz.render"]
 #: the parts of the nodes' shared code that need no rclpy (their docstrings say so): importable without it
 NODE_MODULES = ["tensegrity_ros.nodes.params", "tensegrity_ros.nodes.stats", "tensegrity_ros.nodes.records",
                 "tensegrity_ros.nodes.cdr", "tensegrity_ros.nodes.convert"]

@@ -42,7 +42,7 @@ def test_kind_groups():
 def test_the_owner_imports_neither_torch_nor_rclpy():
     code = textwrap.dedent("""
         import sys
-        import tensegrity_ros.param_names, tensegrity_ros.parameter_set
+        import tensegrity_ros.param_names, tensegrity_ros.parameter_set, tensegrity_ros.paths
         bad = sorted(m for m in sys.modules if m in ("torch", "rclpy"))
         assert not bad, bad
     """)

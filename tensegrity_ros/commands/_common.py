@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
+from ..paths import CONFIG_DIR
 from . import UserError
 
 
@@ -25,7 +26,7 @@ def load_model(path):
 
 
 #: The default rough mocap frame: OptiTrack Motive's Y-up convention (config/mocap/optitrack_yup.yaml).
-DEFAULT_MOCAP_FRAME = Path(__file__).resolve().parents[2] / "config" / "mocap" / "optitrack_yup.yaml"
+DEFAULT_MOCAP_FRAME = CONFIG_DIR / "mocap" / "optitrack_yup.yaml"
 
 
 def read_text_file(path, flag: str, what: str, max_bytes: int = 16 * 1024 * 1024) -> str:

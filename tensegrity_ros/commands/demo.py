@@ -33,8 +33,8 @@ import numpy as np
 from . import UserError
 from ..health import EXIT_DEGRADED, format_value
 from ..param_names import kind_of
+from ..paths import CONFIG_DIR
 
-ROOT = Path(__file__).resolve().parents[2]
 #: the niceness the demo asks for: the simulated robot (twin, emulated bus, driver: what a real robot does in
 #: hardware) and the graph's callbacks at one level, above the predictor's relinearisation worker (-5,
 #: config/nodes/state_predictor.yaml) and the identifier's (5) and anything else on the machine. With the graph
@@ -59,10 +59,10 @@ def add_arguments(parser) -> None:
                         help="do not raise the simulated robot's and the graph's priority (default: niceness "
                              f"{ROBOT_NICE} and {GRAPH_NICE}; the predictor's worker runs at -5, the identifier's at 5; needs root, "
                              "CAP_SYS_NICE or `ulimit -e`, else the run goes on and says so)")
-    parser.add_argument("--model", default=str(ROOT / "config" / "models" / "stacked_manipulator.yaml"),
+    parser.add_argument("--model", default=str(CONFIG_DIR / "models" / "stacked_manipulator.yaml"),
                         help="nominal structure YAML")
     parser.add_argument("--reference",
-                        default=str(ROOT / "config" / "references" / "seed_sinusoids_continuous.yaml"),
+                        default=str(CONFIG_DIR / "references" / "seed_sinusoids_continuous.yaml"),
                         help="reference the driver runs (default: the seed drive without an end)")
     parser.add_argument("--perturb", type=float, default=0.2,
                         help="spread of the true robot's stiffnesses and dampings around the nominal (default 0.2)")

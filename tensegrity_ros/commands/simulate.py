@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from . import UserError
+from ..paths import CONFIG_DIR
 from ._common import (add_force_argument, atomic_output, check_output_target, finite, load_mocap_frame,
                       load_model, read_text_file)
 
-DEFAULT_REFERENCE = Path(__file__).resolve().parents[2] / "config" / "references" / "seed_sinusoids.yaml"
+DEFAULT_REFERENCE = CONFIG_DIR / "references" / "seed_sinusoids.yaml"
 #: The twin is recorded at a rate both sensor rates divide (120 Hz mocap, 80 Hz motors).
 RECORD_HZ = 240.0
 

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from ..paths import REPO_ROOT
+
 
 
 def register_tensor_dataclass(cls):

@@ -87,4 +87,6 @@ def write_reference_files(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    write_reference_files(Path(__file__).resolve().parents[2] / "config" / "models")
+    from ..paths import CONFIG_DIR
+
+    write_reference_files(CONFIG_DIR / "models")

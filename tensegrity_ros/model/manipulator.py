@@ -394,4 +394,6 @@ def write(path: Path) -> Structure:
 
 
 if __name__ == "__main__":
-    write(Path(__file__).resolve().parents[2] / "config" / "models" / "stacked_manipulator.yaml")
+    from ..paths import CONFIG_DIR
+
+    write(CONFIG_DIR / "models" / "stacked_manipulator.yaml")

@@ -18,12 +18,12 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..model import CoincidentConstraint, Structure, load_structure
+from ..paths import CONFIG_DIR, REPO_ROOT
 from .markers import TENSION_COLORS, MarkerScene, MarkerSpec, MarkerStyle
 
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL = ROOT / "config" / "models" / "stacked_manipulator.yaml"
-DEFAULT_REFERENCE = ROOT / "config" / "references" / "seed_sinusoids.yaml"
-DEFAULT_OUTPUT = ROOT / "docs" / "img" / "markers.png"
+DEFAULT_MODEL = CONFIG_DIR / "models" / "stacked_manipulator.yaml"
+DEFAULT_REFERENCE = CONFIG_DIR / "references" / "seed_sinusoids.yaml"
+DEFAULT_OUTPUT = REPO_ROOT / "docs" / "img" / "markers.png"
 #: matplotlib line width (points) per metre of marker width, for the picture
 POINTS_PER_M = 250.0
 #: the picture's background: RViz's default (48, 48, 48)
