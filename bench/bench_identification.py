@@ -82,11 +82,11 @@ def twin_dataset(structure, X0, V0, steps, *, every=1, bar_forces=None, name="")
     return make_dataset(t, P, velocities=V, name=name, dt=DT * every, **kw), P
 
 
-def _ours(structure, data, *, ties=(), total_mass=None, estimate=("mass", "stiffness", "damping"), known=None,
-          max_samples=None, seed=0):
-    opts = IdentifyOptions(ties=tuple(ties), total_mass=total_mass, estimate=tuple(estimate), known=dict(known or {}),
-                           derivative_method="semi_implicit", residual=False,
-                           regression={"max_samples": max_samples, "seed": seed} if max_samples else {})
+def closed_form(structure, data, *, ties=(), total_mass=None, estimate=("mass", "stiffness", "damping"), known=None,
+                max_samples=None, seed=0):
+    opts = IdentifyOptions.from_flat(ties=tuple(ties), total_mass=total_mass, estimate=tuple(estimate),
+                                     known=dict(known or {}), derivative_method="semi_implicit", residual=False,
+                                     regression={"max_samples": max_samples, "seed": seed} if max_samples else {})
     t0 = time.perf_counter()
     res = identify(structure, data, stages=("regression",), options=opts)
     return res, time.perf_counter() - t0
@@ -107,7 +107,7 @@ def spring_rod_table(quick: bool, seed: int = 0) -> Dict[str, Any]:
     for k in range(n_trials):
         X0, V0 = random_initial_state(s, rng, pos_std=0.2, vel_std=0.5)
         data, P = twin_dataset(s, X0, V0, steps)
-        res, secs = _ours(s, data, ties=("stiffness", "damping"))
+        res, secs = closed_form(s, data, ties=("stiffness", "damping"))
         KM = res.ratios["s1.stiffness/rod.mass"][0]
         cM = res.ratios["s1.damping/rod.mass"][0]
         rows["Ours"].append(dict(KM=KM, cM=cM, s_it=secs, s_total=secs, flagged=not any(res.identifiable.values())))
@@ -181,7 +181,7 @@ def icosahedron(quick: bool, seed: int = 1) -> Dict[str, Any]:
         t_gt = time.perf_counter() - t0
         uniform = variant == "icosahedron"
         total = float(p.mass.sum())
-        res, secs = _ours(s, datas, ties=("stiffness", "damping", "mass") if uniform else (), total_mass=total)
+        res, secs = closed_form(s, datas, ties=("stiffness", "damping", "mass") if uniform else (), total_mass=total)
         names = [n for n in true if kind_of(n) in ("stiffness", "damping", "mass")]
         errs = _param_errors(res.values(), true, names)
         # ratios are anchor-free: error of every parameter relative to the total mass
@@ -239,7 +239,7 @@ def data_efficiency(quick: bool, seed: int = 2) -> Dict[str, Any]:
     _log(f"\nData efficiency (seed Sec. 4.3; 54 parameters; pool {pool} twin steps, paper 736,167)")
     for frac, want in ((0.1, 73617), (0.01, 7362), (0.001, 736), (0.0001, 74)):
         n = min(want, pool)
-        res, secs = _ours(s, datas, total_mass=float(p.mass.sum()), max_samples=n, seed=seed)
+        res, secs = closed_form(s, datas, total_mass=float(p.mass.sum()), max_samples=n, seed=seed)
         if res.ok:
             errs = _param_errors(res.values(), true, names)
             row = {"fraction_of_paper_pool": frac, "steps": n, "max_error_pct": max(errs.values()),
@@ -278,7 +278,7 @@ def generalisation(quick: bool, seed: int = 3, h_true: float = 2.5) -> Dict[str,
     for _ in range(2 if quick else 5):
         X0, V0 = random_initial_state(s, rng, pos_std=0.05, vel_std=1.0)
         base.append(twin_dataset(s, X0, V0, 500)[0])
-    res0, _ = _ours(s, base, total_mass=float(p.mass.sum()))
+    res0, _ = closed_form(s, base, total_mass=float(p.mass.sum()))
     frozen = {n: v for n, v in res0.values().items() if kind_of(n) in ("stiffness", "damping", "mass")}
     # 2. pushes: the twin applies h_true * f_u, the data record f_u
     train = []
@@ -288,8 +288,9 @@ def generalisation(quick: bool, seed: int = 3, h_true: float = 2.5) -> Dict[str,
         d, _ = twin_dataset(s, X0, V0, steps_train, bar_forces=h_true * F)
         # the data record the commanded force f_u, not what the twin applied (h_true f_u)
         train.append(dataclasses.replace(d, control_forces=np.concatenate([F, F[-1:]])))
-    opts = IdentifyOptions(estimate=("control_force_scalar",), known=frozen, derivative_method="semi_implicit",
-                           backend="spring_rod", regression={"mass_model": "thin"})
+    opts = IdentifyOptions.from_flat(estimate=("control_force_scalar",), known=frozen,
+                                     derivative_method="semi_implicit", backend="spring_rod",
+                                     regression={"mass_model": "thin"})
     t0 = time.perf_counter()
     res = identify(s, train, stages=("regression",), options=opts)
     secs = time.perf_counter() - t0
@@ -407,7 +408,7 @@ def manipulator_run(quick: bool, seed: int = 0, record: bool = True) -> Dict[str
     if record and not quick:
         # stage 1 alone, for the record: errors in variables (1 mm noise through 20 kN/m strings) bias it badly
         t1 = time.perf_counter()
-        r1 = identify(s, noisy, prior=prior, stages=("regression",), options=IdentifyOptions(
+        r1 = identify(s, noisy, prior=prior, stages=("regression",), options=IdentifyOptions.from_flat(
             estimate=kinds, total_mass=total, smooth_window_s=0.05, residual=False))
         e1 = manipulator_errors(r1.values(), true) if r1.ok else {}
         out["stage1_only"] = {"seconds": time.perf_counter() - t1,
@@ -422,10 +423,10 @@ def manipulator_run(quick: bool, seed: int = 0, record: bool = True) -> Dict[str
     # 0.1 -> 0.2 -> 0.3 s at 2.7 %, and the 0.5-s and 1.0-s stages then see the dampings (and through them the
     # masses) that short windows cannot: 1.3 % (docs/identification.md, section 5).
     longer = ((0.2, 6, 2), (0.5, 4, 2), (1.0, 4, 2)) if quick else LONGER_WINDOWS_LADDER
-    opts = IdentifyOptions(estimate=kinds, refine_kinds=kinds, total_mass=total, window_s=0.1,
-                           max_windows=12 if quick else 24, max_iter=8, smooth_window_s=0.05,
-                           longer_windows=longer, covariance_windows=4 if quick else 12,
-                           prior_std=prior_std, noise_std_m=1e-3, workers=usable_cores())
+    opts = IdentifyOptions.from_flat(estimate=kinds, refine_kinds=kinds, total_mass=total, window_s=0.1,
+                                     max_windows=12 if quick else 24, max_iter=8, smooth_window_s=0.05,
+                                     longer_windows=longer, covariance_windows=4 if quick else 12,
+                                     prior_std=prior_std, noise_std_m=1e-3, workers=usable_cores())
     t1 = time.perf_counter()
     res = identify(s, noisy, prior=prior, stages=("refine",), options=opts)
     wall = time.perf_counter() - t1

@@ -30,7 +30,7 @@ from tensegrity_ros.paths import REPO_ROOT  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
-from bench_identification import DT, MODELS, _ours, twin_dataset  # noqa: E402
+from bench_identification import DT, MODELS, closed_form, twin_dataset  # noqa: E402
 from tensegrity_ros.engine import params_from_structure  # noqa: E402
 from tensegrity_ros.ident import IdentifyOptions, identify  # noqa: E402
 from tensegrity_ros.ident.baselines.mujoco_loop import (TwinObjective, TwinTrial, mujoco_sysid,  # noqa: E402
@@ -59,7 +59,7 @@ def spring_rod(quick: bool, seed: int = 0) -> Dict[str, Any]:
         data, P = twin_dataset(s, X0, V0, steps)
         trials.append(TwinTrial(X0, V0, steps, 1, P))
         datas.append(data)
-        res, secs = _ours(s, data, ties=("stiffness", "damping"))
+        res, secs = closed_form(s, data, ties=("stiffness", "damping"))
         rows["ours"].append({"KM": res.ratios["s1.stiffness/rod.mass"][0], "cM": res.ratios["s1.damping/rod.mass"][0],
                              "seconds": secs})
         r = mujoco_sysid(TwinObjective(s, [trials[-1]], groups, timestep=DT, integrator="Euler"), [1.0, 1.0, 1.0],
@@ -68,7 +68,7 @@ def spring_rod(quick: bool, seed: int = 0) -> Dict[str, Any]:
         rows["sysid"].append({"KM": v["K"] / v["M"], "cM": v["c"] / v["M"], "seconds": r.seconds,
                               "iterations": r.iterations, "evaluations": r.evaluations})
     # all trials as several sequences in one fit
-    res, secs_ours = _ours(s, datas, ties=("stiffness", "damping"))
+    res, secs_ours = closed_form(s, datas, ties=("stiffness", "damping"))
     joint_ours = {"KM": res.ratios["s1.stiffness/rod.mass"][0], "cM": res.ratios["s1.damping/rod.mass"][0],
                   "seconds": secs_ours}
     r = mujoco_sysid(TwinObjective(s, trials, groups, timestep=DT, integrator="Euler"), [1.0, 1.0, 1.0],
@@ -115,7 +115,7 @@ def prism(quick: bool, seed: int = 0) -> Dict[str, Any]:
                                     if kind_of(n) == k])) for k in kinds}
 
     t0 = time.perf_counter()
-    res = identify(nominal, datas, options=IdentifyOptions(
+    res = identify(nominal, datas, options=IdentifyOptions.from_flat(
         estimate=kinds, refine_kinds=kinds, window_s=0.2, max_windows=16, max_iter=8,
         prior_std={"stiffness": 0.2, "damping": 0.2, "mass": 0.02}, noise_std_m=1e-4))
     ours_s = time.perf_counter() - t0

@@ -43,7 +43,7 @@ def test_manipulator_small():
         top = build_topology(s)
         total = float(p.mass[torch.as_tensor(np.abs(top.Cb_q).sum(1) > 0)].sum())
         kinds = ("mass", "stiffness", "damping", "rest_length")
-        res = identify(s, ds, prior=prior, stages=("refine",), options=IdentifyOptions(
+        res = identify(s, ds, prior=prior, stages=("refine",), options=IdentifyOptions.from_flat(
             refine_kinds=kinds, total_mass=total, window_s=0.1, max_windows=5, max_iter=5, smooth_window_s=0.05,
             covariance=False, noise_std_m=1e-3,
             prior_std={"stiffness": 0.2, "damping": 0.2, "mass": 0.2, "rest_length": 0.002}))
@@ -52,9 +52,8 @@ def test_manipulator_small():
         h = [x["loss"] for x in res.history]
         assert h[-1] < 0.05 * h[0]
         # the identified model predicts held-out data better than the nominal one
-        from tensegrity_ros.ident.refine import RefineOptions, RefineProblem
-        probe = RefineProblem(s, [held_out], prior, RefineOptions(kinds=(), window_s=0.1, smooth_window_s=0.05,
-                                                                   optimize_initial_states=False))
+        from tensegrity_ros.ident.refine import RefineProblem
+        probe = RefineProblem.for_prediction(s, [held_out], prior, window_s=0.1, smooth_window_s=0.05)
         assert probe.prediction_rms(res.params) < probe.prediction_rms(prior)
         # the string stiffnesses move towards the truth (masses and dampings need more data than 5 windows)
         def k_err(v):

@@ -102,9 +102,11 @@ def _recording(law: str, seed: int):
                         noise_std_m=1e-3)
 
 
-OPTIONS = IdentifyOptions(estimate=("stiffness", "damping"), refine_kinds=("stiffness", "damping", "rest_length"),
-                          window_s=0.1, max_windows=16, max_iter=8, longer_windows=((0.5, 8, 3),),
-                          prior_std={"stiffness": 0.2, "damping": 0.2, "rest_length": 0.003}, noise_std_m=1e-3)
+OPTIONS = IdentifyOptions.from_flat(estimate=("stiffness", "damping"),
+                                    refine_kinds=("stiffness", "damping", "rest_length"), window_s=0.1,
+                                    max_windows=16, max_iter=8, longer_windows=((0.5, 8, 3),),
+                                    prior_std={"stiffness": 0.2, "damping": 0.2, "rest_length": 0.003},
+                                    noise_std_m=1e-3)
 
 
 @pytest.mark.parametrize("recorded,seed", [("spring", 0), ("cord", 1)])

@@ -26,7 +26,7 @@ def test_identify_noisy_calibrated_covariance(noisy):
     residual matches the noise (sqrt(3) mm in 3-D)."""
     s, p, _, ds = noisy
     prior = p.with_values({"s1.stiffness": 170.0, "s2.stiffness": 230.0, "s3.damping": 1.3, "s4.stiffness": 80.0})
-    res = identify(s, ds, prior=prior, options=IdentifyOptions(known={"rod.mass": 1.0}, window_s=0.3))
+    res = identify(s, ds, prior=prior, options=IdentifyOptions.from_flat(known={"rod.mass": 1.0}, window_s=0.3))
     assert res.ok and res.converged, res.notes
     true = {n: float(v) for n, v in p.named().items()}
     vals = res.values()
@@ -44,7 +44,7 @@ def test_identify_noisy_calibrated_covariance(noisy):
 def test_identify_reports_gauge_when_only_ratios_identifiable(noisy):
     s, p, clean, _ = noisy
     res = identify(s, clean.slice(0, 120), stages=("regression",),
-                   options=IdentifyOptions(derivative_method="semi_implicit", window_s=0.3))
+                   options=IdentifyOptions.from_flat(derivative_method="semi_implicit", window_s=0.3))
     assert res.ok
     for n in ("rod.mass", "s1.stiffness", "s1.damping"):
         assert res.identifiability[n] == 0.0 and not res.identifiable[n]
@@ -74,7 +74,7 @@ def test_poisoned_windows_never_give_nan(noisy):
     X[hit] += rng.normal(0.0, 0.2, (int(hit.sum()), 3))
     spiky = drop_frames(make_dataset(ds.times, X, None, ds.motor_angles), 0.05, rng)
     res = identify(s, spiky, stages=("regression", "refine"),
-                   options=IdentifyOptions(known={"rod.mass": 1.0}, window_s=0.3, max_iter=20))
+                   options=IdentifyOptions.from_flat(known={"rod.mass": 1.0}, window_s=0.3, max_iter=20))
     assert res.ok, res.error
     assert any("screening rejected" in n for n in res.notes)
     vals = res.values()

@@ -123,7 +123,7 @@ def test_longer_windows_continue_stage2_from_the_last_result(pendulum, monkeypat
         return real(structure, data, start_params, opts, **kw)
 
     monkeypatch.setattr(PL, "refine", spy)
-    res = PL.identify(s, ds, prior=start, stages=("refine",), options=PL.IdentifyOptions(
+    res = PL.identify(s, ds, prior=start, stages=("refine",), options=PL.IdentifyOptions.from_flat(
         refine_kinds=("stiffness",), known={"rod.mass": 1.0}, window_s=0.1, max_iter=6,
         longer_windows=((0.3, 4, 4),), prior_std={"stiffness": 0.5}, covariance=False))
     assert res.ok, res.error

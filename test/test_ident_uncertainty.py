@@ -7,7 +7,6 @@ are ~20 % and rest lengths ~2 mm off the truth, 6 s at 125 Hz with 1 mm marker n
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -27,9 +26,10 @@ from test_string_laws import HOIST, drive
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 KINDS = ("stiffness", "damping", "rest_length")
-OPTIONS = IdentifyOptions(estimate=("stiffness", "damping"), refine_kinds=KINDS, window_s=0.1, max_windows=16,
-                          max_iter=8, longer_windows=((0.5, 8, 3),),
-                          prior_std={"stiffness": 0.2, "damping": 0.2, "rest_length": 0.002}, noise_std_m=1e-3)
+OPTIONS = IdentifyOptions.from_flat(estimate=("stiffness", "damping"), refine_kinds=KINDS, window_s=0.1,
+                                    max_windows=16, max_iter=8, longer_windows=((0.5, 8, 3),),
+                                    prior_std={"stiffness": 0.2, "damping": 0.2, "rest_length": 0.002},
+                                    noise_std_m=1e-3)
 
 
 def _nominal_and_truth(seed: int):
@@ -92,7 +92,7 @@ def test_standard_deviations_follow_the_residuals_actual_size():
     print("sandwich / uncalibrated std:", np.round(ratios, 2))
     assert np.median(ratios) == pytest.approx(2.5, rel=0.2) and ratios.min() > 1.5
     none = identify(nominal, _engine_recording(truth, np.random.default_rng(0), noise=2.5e-3),
-                    options=dataclasses.replace(OPTIONS, uncertainty="none"))
+                    options=OPTIONS.with_flat(uncertainty="none"))
     assert not none.calibration.get("model_std_devs")                # 'none' keeps sigma^2 (J^T J + prior)^-1
 
 
@@ -123,12 +123,12 @@ def test_weighed_masses_set_the_scale():
     nominal, truth, truth_dict, rng = _nominal_and_truth(3)
     data = _engine_recording(truth, rng)
     kinds = ("mass", "stiffness", "damping")
-    opts = dataclasses.replace(OPTIONS, estimate=kinds, refine_kinds=kinds, longer_windows=(), max_iter=6,
-                               covariance_windows=8)
-    gauge = identify(nominal, data, options=dataclasses.replace(opts, prior_std={"stiffness": 0.2, "damping": 0.2}))
+    opts = OPTIONS.with_flat(estimate=kinds, refine_kinds=kinds, longer_windows=(), max_iter=6,
+                             covariance_windows=8)
+    gauge = identify(nominal, data, options=opts.with_flat(prior_std={"stiffness": 0.2, "damping": 0.2}))
     assert gauge.ok and gauge.refinement.problem.gauge and gauge.ratios
-    weighed = identify(nominal, data, options=dataclasses.replace(
-        opts, prior_std={"stiffness": 0.2, "damping": 0.2, "mass": 0.02}))
+    weighed = identify(nominal, data, options=opts.with_flat(
+        prior_std={"stiffness": 0.2, "damping": 0.2, "mass": 0.02}))
     assert weighed.ok and not weighed.refinement.problem.gauge and not weighed.ratios
     m, sd = weighed.values()["rod.mass"], weighed.std_devs["rod.mass"]
     assert sd == pytest.approx(0.02 * 1.0, rel=0.1)                    # the prior's 2 % of 1 kg
@@ -147,21 +147,21 @@ def test_a_bar_weighed_in_the_structure_file_sets_its_own_mass_prior():
     nominal, truth, truth_dict, rng = _nominal_and_truth(3)
     data = _engine_recording(truth, rng)
     kinds = ("mass", "stiffness", "damping")
-    opts = dataclasses.replace(OPTIONS, estimate=kinds, refine_kinds=kinds, longer_windows=(), max_iter=4,
-                               covariance_windows=8, prior_dominated_ratio=None, heldout_check=False)
+    opts = OPTIONS.with_flat(estimate=kinds, refine_kinds=kinds, longer_windows=(), max_iter=4,
+                             covariance_windows=8, prior_dominated_ratio=None, heldout_check=False)
     weighed_file = yaml.safe_load(HOIST.format(law1="spring", law2="spring"))   # the nominal, plus the weighing
     weighed_file["bars"][0]["mass_std"] = "0.5%"
     weighed = structure_from_dict(weighed_file, source="weighed")
     assert weighed.bars[0].mass_std == pytest.approx(0.005 * weighed.bars[0].mass)
-    only_file = identify(weighed, data, options=dataclasses.replace(
-        opts, prior_std={"stiffness": 0.2, "damping": 0.2}))
+    only_file = identify(weighed, data, options=opts.with_flat(
+        prior_std={"stiffness": 0.2, "damping": 0.2}))
     assert only_file.ok and not only_file.refinement.problem.gauge and not only_file.ratios
     assert only_file.std_devs["rod.mass"] == pytest.approx(0.005, rel=0.15)        # 0.5 % of 1 kg
-    both = identify(weighed, data, options=dataclasses.replace(
-        opts, prior_std={"stiffness": 0.2, "damping": 0.2, "mass": 0.2}))
+    both = identify(weighed, data, options=opts.with_flat(
+        prior_std={"stiffness": 0.2, "damping": 0.2, "mass": 0.2}))
     assert both.std_devs["rod.mass"] == pytest.approx(0.005, rel=0.15)             # the file's, not 20 %
-    flag_only = identify(nominal, data, options=dataclasses.replace(
-        opts, prior_std={"stiffness": 0.2, "damping": 0.2, "mass": 0.05}))
+    flag_only = identify(nominal, data, options=opts.with_flat(
+        prior_std={"stiffness": 0.2, "damping": 0.2, "mass": 0.05}))
     assert flag_only.std_devs["rod.mass"] == pytest.approx(0.05, rel=0.15)         # the global flag still works
 
 

@@ -166,11 +166,12 @@ def run(args) -> int:
         print(f"mass prior from {args.model}: mass_std of {len(weighed)} bar(s) ("
               + ", ".join(f"{b.name} {b.mass_std * 1e3:.3g} g" for b in weighed[:6])
               + (", ..." if len(weighed) > 6 else "") + f"); {rest}")
-    options = IdentifyOptions(estimate=estimate, refine_kinds=refine_kinds,
-                              estimate_delay=args.estimate_delay, max_iter=args.max_iter, max_time_s=max_time,
-                              window_s=window, max_windows=args.windows, noise_std_m=noise_mm * 1e-3,
-                              prior_std=prior_std, longer_windows=longer, device=args.device, workers=workers,
-                              heldout_check=holdout > 0, heldout_fraction=holdout or 0.1)
+    options = IdentifyOptions.from_flat(estimate=estimate, refine_kinds=refine_kinds,
+                                        estimate_delay=args.estimate_delay, max_iter=args.max_iter,
+                                        max_time_s=max_time, window_s=window, max_windows=args.windows,
+                                        noise_std_m=noise_mm * 1e-3, prior_std=prior_std, longer_windows=longer,
+                                        device=args.device, workers=workers, heldout_check=holdout > 0,
+                                        heldout_fraction=holdout or 0.1)
     iters = args.max_iter + sum(it for _, _, it in longer)
     with progress_bar(iters if "refine" in stages else 1, "identifying") as bar:
         last = {"iteration": None}

@@ -25,8 +25,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ..engine import Params, to_unconstrained
-from ..param_names import RELATIVE_KINDS, kind_of
 from ..model import Structure
+from ..param_names import RELATIVE_KINDS, kind_of
 from .data import Dataset
 from .errors import IdentificationError
 from .refine import RefineOptions, RefineProblem
@@ -66,23 +66,21 @@ class HeldOutCheck:
                 f"{self.log_ratio_mean / self.log_ratio_se if self.log_ratio_se > 0 else math.inf:.1f} sigma)")
 
 
-def reserve_held_out(structure: Structure, datasets: Sequence[Dataset], start: Params, *, window_s: float = 0.2,
-                     fraction: float = 0.1, min_windows: int = 3, max_windows: int = 16, delay_s: float = 0.0,
-                     derivative_method: str = "auto", smooth_window_s: Optional[float] = None,
-                     backend: str = "nodal", integrator: str = "semi_implicit", device=None
-                     ) -> Tuple[List[Dataset], Optional[RefineProblem]]:
+def reserve_held_out(structure: Structure, datasets: Sequence[Dataset], start: Params,
+                     options: Optional[RefineOptions] = None, *, window_s: float = 0.2, fraction: float = 0.1,
+                     min_windows: int = 3, max_windows: int = 16, backend: str = "nodal",
+                     integrator: str = "semi_implicit") -> Tuple[List[Dataset], Optional[RefineProblem]]:
     """Set aside held-out windows before the fit.
 
     About ``fraction`` of the recordings' time, in windows of ``window_s`` (at least ``min_windows``, at most
     ``max_windows``) spread evenly over them (never the first or the last), become the open-loop prediction
     problem of the final check; in the returned copies of ``datasets`` (the fit's data) their samples are
-    marked invalid, so no fitted window sees them. Returns (fit datasets, held-out problem or None when the
-    recordings are too short: then the datasets are returned unchanged)."""
+    marked invalid, so no fitted window sees them. ``options``: the fit's stage-2 options (delay, derivatives,
+    device, engine: the held-out windows are predicted as the fit's are). Returns (fit datasets, held-out problem
+    or None when the recordings are too short: then the datasets are returned unchanged)."""
     try:
-        cand = RefineProblem(structure, datasets, start, RefineOptions(
-            kinds=(), window_s=window_s, optimize_initial_states=False, delay_s=delay_s,
-            derivative_method=derivative_method, smooth_window_s=smooth_window_s, device=device),
-            backend=backend, integrator=integrator)
+        cand = RefineProblem.for_prediction(structure, datasets, start, options, window_s=window_s, max_windows=None,
+                                            backend=backend, integrator=integrator)
     except IdentificationError:
         return list(datasets), None
     total = sum(d.duration for d in datasets)

@@ -429,7 +429,7 @@ def fit_window(structure: Structure, times, positions, valid, motors, prior_valu
         if res.ok:   # the fit and the active set, open loop over the held-out windows: is the fit better?
             ts = time.perf_counter()
             values = res.values()
-            kinds = [k for k in NESTED_KINDS if k in tuple(options.estimate)]
+            kinds = [k for k in NESTED_KINDS if k in tuple(options.regression.estimate)]
             # nested candidates: the fit's values of the first j kinds, the rest kept at the active set's
             nested = [{n: v for n, v in values.items() if kind_of(n) in kinds[:j]}
                       for j in range(1, len(kinds) + 1)] or [values]
@@ -462,13 +462,13 @@ def fit_window(structure: Structure, times, positions, valid, motors, prior_valu
 def held_out_mse(structure: Structure, held, param_sets, options, window_s: float = 0.25, windows: int = 8):
     """Per-window mean squared errors (W,) m^2 of each of ``param_sets`` (engine Params) predicting the dataset
     ``held`` open loop over ``windows`` windows of ``window_s``, all from the same measured window starts (so
-    the figures of two sets are paired). ``options``: the update's IdentifyOptions (derivatives, delay, engine)."""
-    from .refine import RefineOptions, RefineProblem
+    the figures of two sets are paired). ``options``: the update's IdentifyOptions (stage 2's derivatives, delay
+    and engine; on the CPU)."""
+    from .refine import RefineProblem
 
-    prob = RefineProblem(structure, [held], param_sets[0], RefineOptions(
-        kinds=(), window_s=window_s, max_windows=windows, optimize_initial_states=False,
-        derivative_method=options.derivative_method, smooth_window_s=options.smooth_window_s,
-        delay_s=options.delay_s), backend=options.backend, integrator=options.integrator)
+    prob = RefineProblem.for_prediction(structure, [held], param_sets[0], options.refine, window_s=window_s,
+                                        max_windows=windows, device=None, backend=options.backend,
+                                        integrator=options.integrator)
     return [prob.window_mse(p) for p in param_sets]
 
 
@@ -492,7 +492,7 @@ def update_options(p: Mapping[str, object], nominal_params, first: bool = False)
         (("refine",) if p["stage2_iterations"] > 0 else ())
     prior_std = {k: float(v) for k, v in zip(("stiffness", "damping", "mass", "rest_length"), p["prior_std"])
                  if v > 0}
-    options = pipeline.IdentifyOptions(
+    options = pipeline.IdentifyOptions.from_flat(
         estimate=tuple(p["estimate"]), window_s=p["stage2_window_s"], max_windows=p["stage2_max_windows"],
         max_iter=max(1, p["first_update_iterations"] if first else p["stage2_iterations"]),
         max_time_s=p["first_update_max_s"] if first else p["max_update_s"], delay_s=p["delay_s"],

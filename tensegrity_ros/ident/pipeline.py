@@ -41,28 +41,45 @@ STAGES = ("regression", "refine")
 LONGER_WINDOWS_LADDER = ((0.2, 12, 3), (0.5, 8, 3), (1.0, 8, 3))
 
 
+#: IdentifyOptions.from_flat: the facts both stages use, stated once (stage 1's RegressionOptions and stage 2's
+#: RefineOptions fields of the same name)
+SHARED_FIELDS = ("known", "ties", "total_mass", "delay_s", "derivative_method", "smooth_window_s")
+#: IdentifyOptions.from_flat: flat keywords that are stage 2's RefineOptions fields
+STAGE2_FIELDS = ("estimate_delay", "noise_std_m", "prior_std", "prior_center", "window_s", "max_windows", "sim_dt",
+                 "optimize_initial_states", "max_iter", "optimizer", "max_time_s", "device", "workers")
+#: stage 1's default kinds, and stage 2's unless told otherwise
+DEFAULT_KINDS = ("mass", "stiffness", "damping")
+
+
 @dataclass(frozen=True)
 class IdentifyOptions:
-    """Options of :func:`identify` (the stage options can be overridden field by field).
+    """Options of :func:`identify`: each stage's own options, nested, and what the pipeline adds.
+
+    Build them nested (``IdentifyOptions(refine=RefineOptions(...), ...)``) or from one flat set of keywords with
+    :meth:`from_flat` (``tensegrity identify``'s flags, the online identifier's parameters), which states a fact
+    both stages use (``known``, ``ties``, ``total_mass``, ``delay_s``, ``derivative_method``, ``smooth_window_s``)
+    once.
 
     backend / integrator: engine used by the refinement (``spring_rod`` also switches the regression to
-        the cylinder inertia of that engine).
-    estimate: kinds estimated by stage 1 (``mass, stiffness, damping`` [+ ``rest_length``,
-        ``control_force_scalar``]).
-    refine_kinds: kinds freed in stage 2 (default: ``estimate``); add ``rest_length``, ``spool_radius``,
-        ``zero_offset`` (never together with ``rest_length`` of the same actuated string: collinear).
-    known / ties / total_mass: exactly known values, shared values, the scale anchor (see the stages).
-    estimate_delay / delay_s: motor-to-mocap delay (estimated in stage 2; stage 1 uses ``delay_s``).
-    noise_std_m: marker noise (None: estimated from the residuals).
-    prior_std / prior_center: stage 2's Gaussian prior, per kind (or per parameter name), around
-        ``prior_center`` (default: its starting values; see :class:`RefineOptions`). A bar's ``mass_std`` in the
-        structure file is that bar's mass prior, in place of ``prior_std["mass"]`` (:func:`structure_prior_std`).
-    derivative_method / smooth_window_s: derivative estimates (see :func:`~tensegrity_ros.ident.data.derivatives`).
-    window_s / max_windows / sim_dt / optimize_initial_states / max_iter / optimizer / max_time_s:
-        the main stage-2 knobs; ``refine`` and ``regression``: any other field of
-        :class:`RefineOptions` / :class:`RegressionOptions`.
+        the cylinder inertia of that engine, unless ``regression.mass_model`` says otherwise).
+    regression: stage 1, :class:`RegressionOptions`: ``estimate`` (the kinds it estimates: ``mass, stiffness,
+        damping`` [+ ``rest_length``, ``control_force_scalar``]), ``known``, ``ties``, ``total_mass``, its
+        derivatives and delay, ...
+    refine: stage 2, :class:`RefineOptions`: ``kinds`` freed (default: ``mass, stiffness, damping``; add
+        ``rest_length``, ``spool_radius``, ``zero_offset``, never together with ``rest_length`` of the same actuated
+        string: collinear), ``known`` / ``ties`` / ``total_mass``, ``estimate_delay`` / ``delay_s``,
+        ``noise_std_m`` (marker noise; None: estimated from the residuals by the covariance),
+        ``prior_std`` / ``prior_center`` (the Gaussian prior, per kind or per parameter name; a bar's ``mass_std``
+        in the structure file is that bar's mass prior, in place of ``prior_std["mass"]``:
+        :func:`structure_prior_std`), derivatives, windows (``window_s``, ``max_windows``, ``sim_dt``,
+        ``optimize_initial_states``), ``max_iter``, ``optimizer``, ``max_time_s``, ``device`` (``None``/``"cpu"``,
+        ``"cuda"`` or ``"auto"``: cuda when available), ``workers`` (stage 2's windows, its Levenberg-Marquardt
+        residuals and Jacobians and the covariance's Jacobians, spread over this many forked processes; Linux
+        CPU only, same results; on the manipulator bench two gave 1.77x on 24 x 0.1-s Jacobians and 1.54x on
+        8 x 1.0-s ones). Its windows, data and engine also make the stage-2 start probe, the stage-1-only
+        residual and the held-out windows (:meth:`RefineProblem.for_prediction`).
     longer_windows: continuation of stage 2, ``((window_s, max_windows, max_iter), ...)``: after the fit on
-        ``window_s`` windows, fit again on longer windows, each run starting from the previous result (the
+        ``refine.window_s`` windows, fit again on longer windows, each run starting from the previous result (the
         Gaussian prior stays centred where it was). Short windows are nearly convex from a start ~20 % off;
         long ones carry far more information per window (their start states cost the same 6 nf unknowns),
         but from such a start they stall in local minima. Measured on the manipulator (60 parameters, 1 mm
@@ -77,20 +94,15 @@ class IdentifyOptions:
     covariance: compute the Gauss-Newton covariance after stage 2 (``covariance_windows`` windows).
     screen: reject non-finite, bar-length-violating (``bar_tol``) and spiking samples first;
         min_valid_fraction: below this fraction of valid free-node samples the data are refused.
-    device: ``None``/``"cpu"``, ``"cuda"`` or ``"auto"`` (cuda when available) for stage 2.
     num_threads: torch intra-op threads during the call (1 is fastest for these small batched ops on a
         busy CPU; None: leave torch's setting).
-    workers: stage 2's windows (its Levenberg-Marquardt residuals and Jacobians, and the covariance's
-        Jacobians) spread over this many forked processes; Linux CPU only, same results
-        (``RefineOptions.workers``).
-        On the manipulator bench two gave 1.77x on 24 x 0.1-s Jacobians and 1.54x on 8 x 1.0-s ones.
     raise_errors: raise the typed errors instead of returning ``ok=False``.
     model_check / mismatch: after stage 2, judge whether the model explains the data (the residual against
         the noise estimated from the tracks, and its structure in time; :mod:`.mismatch`), with these
         thresholds (``IdentificationResult.model_mismatch``).
     uncertainty: how the covariance's standard deviations are calibrated (``sandwich``: by the residual's
         actual size and its correlation within windows, prior included; ``none``: the noise level
-        ``noise_std_m`` and independent residuals assumed; see :mod:`.uncertainty`).
+        ``refine.noise_std_m`` and independent residuals assumed; see :mod:`.uncertainty`).
     heldout_check / heldout_fraction / heldout_window_s / heldout_windows / heldout_margin_sigma: set aside
         about ``heldout_fraction`` of the recording's time in windows of ``heldout_window_s`` (3 to
         ``heldout_windows``) before the fit; after stage 2 predict them with the fit and with the prior, and say
@@ -104,28 +116,9 @@ class IdentifyOptions:
 
     backend: str = "nodal"
     integrator: str = "semi_implicit"
-    estimate: Tuple[str, ...] = ("mass", "stiffness", "damping")
-    refine_kinds: Optional[Tuple[str, ...]] = None
-    known: Mapping[str, float] = field(default_factory=dict)
-    ties: Tuple[Union[str, Tuple[str, ...]], ...] = ()
-    total_mass: Optional[float] = None
-    estimate_delay: bool = False
-    delay_s: float = 0.0
-    noise_std_m: Optional[float] = None
-    prior_std: Mapping[str, float] = field(default_factory=dict)
-    prior_center: Optional[Params] = None
-    derivative_method: str = "auto"
-    smooth_window_s: Optional[float] = None
-    window_s: float = 0.25
-    max_windows: Optional[int] = None
-    sim_dt: Optional[float] = None
-    optimize_initial_states: bool = True
-    max_iter: int = 50
+    regression: RegressionOptions = RegressionOptions(estimate=DEFAULT_KINDS)
+    refine: RefineOptions = RefineOptions(kinds=DEFAULT_KINDS)
     longer_windows: Tuple[Tuple[float, Optional[int], int], ...] = ()
-    optimizer: str = "gauss_newton"
-    max_time_s: Optional[float] = None
-    regression: Mapping[str, Any] = field(default_factory=dict)
-    refine: Mapping[str, Any] = field(default_factory=dict)
     stage2_start: str = "auto"
     stage1_max_factor: float = 3.0
     residual: bool = True
@@ -134,9 +127,7 @@ class IdentifyOptions:
     screen: bool = True
     bar_tol: float = 0.05
     min_valid_fraction: float = 0.3
-    device: Optional[str] = None
     num_threads: Optional[int] = 1
-    workers: int = 1
     raise_errors: bool = False
     model_check: bool = True
     mismatch: MismatchOptions = MismatchOptions()
@@ -147,6 +138,32 @@ class IdentifyOptions:
     heldout_windows: int = 16
     heldout_margin_sigma: float = 2.0
     prior_dominated_ratio: Optional[float] = 0.9
+
+    @classmethod
+    def from_flat(cls, **flat) -> "IdentifyOptions":
+        """IdentifyOptions from one flat set of keywords (see :meth:`with_flat`)."""
+        return cls().with_flat(**flat)
+
+    def with_flat(self, *, estimate: Optional[Sequence[str]] = None, refine_kinds: Optional[Sequence[str]] = None,
+                  regression: Mapping[str, Any] = (), refine: Mapping[str, Any] = (), **flat) -> "IdentifyOptions":
+        """A copy with flat keywords applied: the one place where flat option names meet the nested options.
+
+        estimate: stage 1's kinds, and stage 2's unless ``refine_kinds``; refine_kinds: stage 2's kinds.
+        :data:`SHARED_FIELDS` (known, ties, total_mass, delay_s, derivative_method, smooth_window_s): both stages.
+        :data:`STAGE2_FIELDS` (estimate_delay, noise_std_m, prior_std, prior_center, window_s, max_windows,
+        sim_dt, optimize_initial_states, max_iter, optimizer, max_time_s, device, workers): stage 2.
+        regression / refine: any further field of that stage's options (applied last). The other keywords are
+        this class's own fields (longer_windows, covariance, heldout_check, ...)."""
+        stage1 = {k: flat.pop(k) for k in SHARED_FIELDS if k in flat}
+        stage2 = {**stage1, **{k: flat.pop(k) for k in STAGE2_FIELDS if k in flat}}
+        if estimate is not None:
+            stage1["estimate"] = tuple(estimate)
+        kinds = refine_kinds if refine_kinds is not None else estimate
+        if kinds is not None:
+            stage2["kinds"] = tuple(kinds)
+        return dataclasses.replace(self, **flat,
+                                   regression=dataclasses.replace(self.regression, **{**stage1, **dict(regression)}),
+                                   refine=dataclasses.replace(self.refine, **{**stage2, **dict(refine)}))
 
     def __post_init__(self):
         if self.stage2_start not in ("auto", "stage1", "prior"):
@@ -418,10 +435,18 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
     heldout: Optional[HeldOutCheck] = None
     dominated: Dict[str, Tuple[float, float]] = {}
     recordings: List[Dict[str, Any]] = []
-    delay = float(opts.delay_s)
-    device = opts.device
+    # the stages' options as run: stage 1's inertia from the backend unless it names one; stage 2's device
+    # resolved and the structure file's per-bar mass priors added (see structure_prior_std)
+    ropts = opts.regression
+    if ropts.mass_model is None:
+        ropts = dataclasses.replace(ropts, mass_model="cylinder" if opts.backend == "spring_rod" else "thin")
+    device = opts.refine.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else None
+    fopts = dataclasses.replace(opts.refine, device=device,
+                                prior_std=structure_prior_std(structure, opts.refine.prior_std))
+    delay = float(fopts.delay_s if "refine" in stages else ropts.delay_s)
+    start_delay = delay
     try:
         with _threads(opts.num_threads):
             # ---- screening -------------------------------------------------------------------------
@@ -448,18 +473,11 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
             held_prob = None
             if opts.heldout_check and "refine" in stages:
                 datasets, held_prob = reserve_held_out(
-                    structure, datasets, prior, window_s=opts.heldout_window_s, fraction=opts.heldout_fraction,
-                    max_windows=opts.heldout_windows, delay_s=opts.delay_s, derivative_method=opts.derivative_method,
-                    smooth_window_s=opts.smooth_window_s, backend=opts.backend, integrator=opts.integrator,
-                    device=device)
+                    structure, datasets, prior, fopts, window_s=opts.heldout_window_s, fraction=opts.heldout_fraction,
+                    max_windows=opts.heldout_windows, backend=opts.backend, integrator=opts.integrator)
             # ---- stage 1 -------------------------------------------------------------------------------
             if "regression" in stages:
                 ts = time.perf_counter()
-                ropts = RegressionOptions(**{**dict(
-                    estimate=tuple(opts.estimate), known=dict(opts.known), ties=tuple(opts.ties),
-                    total_mass=opts.total_mass, derivative_method=opts.derivative_method,
-                    smooth_window_s=opts.smooth_window_s, delay_s=opts.delay_s,
-                    mass_model="cylinder" if opts.backend == "spring_rod" else "thin"), **dict(opts.regression)})
                 reg = regress(structure, datasets, prior, ropts)
                 params = reg.params
                 if not _finite(params):
@@ -485,12 +503,8 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                 if reg is not None and opts.stage2_start in ("auto", "prior"):
                     # stage 1 can be badly biased (errors in variables: noisy geometry through stiff strings);
                     # start stage 2 from whichever predicts the windows better
-                    probe = RefineProblem(structure, datasets, prior, RefineOptions(
-                        kinds=(), window_s=opts.window_s, max_windows=opts.max_windows, sim_dt=opts.sim_dt,
-                        optimize_initial_states=False, derivative_method=opts.derivative_method,
-                        smooth_window_s=opts.smooth_window_s, delay_s=opts.delay_s, device=device,
-                        engine_options=dict(opts.refine.get("engine_options", {}))),
-                        backend=opts.backend, integrator=opts.integrator)
+                    probe = RefineProblem.for_prediction(structure, datasets, prior, fopts, backend=opts.backend,
+                                                         integrator=opts.integrator)
                     e_reg, e_prior = probe.prediction_rms(start), probe.prediction_rms(prior)
                     far = _far_from(start, prior, opts.stage1_max_factor)
                     if opts.stage2_start == "prior" or e_prior < e_reg or far:
@@ -498,17 +512,6 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                                if far else f"stage 1 predicts worse ({e_reg * 1e3:.3g} mm)")
                         notes.append(f"stage 2 starts from the prior (prediction RMS {e_prior * 1e3:.3g} mm): {why}")
                         start = prior
-                kinds = tuple(opts.refine_kinds) if opts.refine_kinds is not None else tuple(opts.estimate)
-                fopts = RefineOptions(**{**dict(
-                    kinds=kinds, known=dict(opts.known), ties=tuple(opts.ties), total_mass=opts.total_mass,
-                    estimate_delay=opts.estimate_delay, delay_s=opts.delay_s, window_s=opts.window_s,
-                    max_windows=opts.max_windows, sim_dt=opts.sim_dt,
-                    optimize_initial_states=opts.optimize_initial_states, max_iter=opts.max_iter,
-                    optimizer=opts.optimizer, max_time_s=opts.max_time_s,
-                    noise_std_m=opts.noise_std_m if opts.noise_std_m is not None else 1e-3,
-                    prior_std=structure_prior_std(structure, opts.prior_std), prior_center=opts.prior_center,
-                    derivative_method=opts.derivative_method, smooth_window_s=opts.smooth_window_s,
-                    device=device, workers=opts.workers), **dict(opts.refine)})
                 ref = refine(structure, datasets, start, fopts, backend=opts.backend, integrator=opts.integrator,
                              callback=callback)
                 stage_fits.append((float(fopts.window_s), ref))
@@ -538,7 +541,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     ts = time.perf_counter()
                     _announce(callback, "covariance", "standard deviations (Gauss-Newton covariance, sandwich)")
                     from .uncertainty import gauss_newton_covariance
-                    cov = gauss_newton_covariance(ref.problem, ref.w, ref.x0, noise_std_m=opts.noise_std_m,
+                    cov = gauss_newton_covariance(ref.problem, ref.w, ref.x0, noise_std_m=fopts.noise_std_m,
                                                   max_windows=opts.covariance_windows, calibrate=opts.uncertainty)
                     calibration = dict(cov.calibration)
                     # stage-2 values supersede stage 1 for the parameters it estimated
@@ -569,18 +572,16 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     ts = time.perf_counter()
                     _announce(callback, "held_out", "held-out check (the fit and the nominal on unseen windows)")
                     heldout = compare_on_held_out(held_prob, params, prior, fit_delay_s=delay,
-                                                  prior_delay_s=opts.delay_s, margin_sigma=opts.heldout_margin_sigma)
+                                                  prior_delay_s=start_delay, margin_sigma=opts.heldout_margin_sigma)
                     timings["held_out"] = time.perf_counter() - ts
             elif reg is not None and opts.residual:
                 # residual of the stage-1 result (one forward multiple-shooting evaluation)
                 try:
-                    prob = RefineProblem(structure, datasets, params, RefineOptions(
-                        kinds=(), window_s=opts.window_s, max_windows=opts.max_windows or 16, sim_dt=opts.sim_dt,
-                        optimize_initial_states=False, derivative_method=opts.derivative_method,
-                        smooth_window_s=opts.smooth_window_s, delay_s=opts.delay_s, device=device),
-                        backend=opts.backend, integrator=opts.integrator)
+                    prob = RefineProblem.for_prediction(structure, datasets, params, fopts,
+                                                        max_windows=fopts.max_windows or 16, delay_s=delay,
+                                                        backend=opts.backend, integrator=opts.integrator)
                     with torch.no_grad():
-                        r = prob.residuals(prob.initial_w(opts.delay_s), None)
+                        r = prob.residuals(prob.initial_w(delay), None)
                         rms = float(torch.sqrt((r * r).sum() / max(prob.n_obs, 1)))
                 except IdentificationError as exc:  # too short for a window: no residual
                     notes.append(f"no prediction residual: {exc}")
@@ -616,5 +617,5 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
         notes.append(f"identification failed ({type(exc).__name__}): {exc}; returning the prior")
         return IdentificationResult(ok=False, params=prior, std_devs={}, identifiability={}, identifiable={},
                                     ratios={}, non_identifiable=[], residual_rms_m=float("nan"), history=history,
-                                    converged=False, delay_s=float(opts.delay_s), notes=notes, timings=timings,
+                                    converged=False, delay_s=start_delay, notes=notes, timings=timings,
                                     error=exc, regression=reg, refinement=ref)

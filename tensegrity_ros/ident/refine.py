@@ -32,6 +32,7 @@ evaluation with info = {stage, iteration, evaluation, loss, params (name -> valu
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ from .workers import window_workers
 
 __all__ = ["RefineOptions", "RefineResult", "refine", "RefineProblem"]
 
+#: the noise (m) that normalises the loss when ``RefineOptions.noise_std_m`` is not known
+UNKNOWN_NOISE_STD_M = 1e-3
 #: Jacobian methods of the Gauss-Newton refinement (``RefineOptions.jacobian``)
 JACOBIANS = ("auto", "tangent", "central", "forward", "forward_ad")
 DELAY_UNIT_S = 0.01
@@ -96,7 +99,9 @@ class RefineOptions:
     prior_center: the prior's mean (default: the start). Online, where each update starts from the last
         accepted set, centring the prior on the NOMINAL model keeps weakly seen parameters (damping in short
         windows) from random-walking away update after update.
-    noise_std_m: the position noise that normalises the loss (and the covariance when not estimated).
+    noise_std_m: the marker noise when known: it normalises the loss (None: unknown; the loss is normalised by
+        :data:`UNKNOWN_NOISE_STD_M` (:attr:`loss_noise_std_m`), and the covariance of :func:`identify` estimates
+        the noise from the residuals).
     optimizer: ``lbfgs`` | ``adam`` | ``gauss_newton`` (Levenberg-Marquardt on the multiple-shooting
         residuals, window starts eliminated by a Schur complement; ``jacobian`` = ``auto`` (``tangent``
         where the engine has a tangent-linear model, else ``central``), ``tangent``, ``central``, ``forward``
@@ -136,7 +141,7 @@ class RefineOptions:
     continuity_weight: float = 0.0
     prior_std: Mapping[str, float] = field(default_factory=dict)
     prior_center: Optional[Params] = None
-    noise_std_m: float = 1e-3
+    noise_std_m: Optional[float] = None
     optimizer: str = "gauss_newton"
     max_iter: int = 50
     lr: Optional[float] = None
@@ -172,6 +177,11 @@ class RefineOptions:
             raise ValueError(f"RefineOptions.jacobian = {self.jacobian!r} (valid: {', '.join(JACOBIANS)})")
         if not (isinstance(self.workers, int) and self.workers >= 1):
             raise ValueError(f"RefineOptions.workers = {self.workers!r} (expected an integer >= 1)")
+
+    @property
+    def loss_noise_std_m(self) -> float:
+        """The noise that normalises the loss: ``noise_std_m``, or :data:`UNKNOWN_NOISE_STD_M` when not known."""
+        return UNKNOWN_NOISE_STD_M if self.noise_std_m is None else float(self.noise_std_m)
 
 
 @dataclass
@@ -397,6 +407,20 @@ class RefineProblem:
             self.total_mass = float(start.mass[torch.as_tensor(movable, device=dev)].sum())
         self.n_w = self.B.shape[1] + (1 if opts.estimate_delay else 0)
         self._build_windows(data)
+
+    @classmethod
+    def for_prediction(cls, structure: Structure, data: Sequence[Dataset], params: Params,
+                       options: Optional[RefineOptions] = None, *, backend: str = "nodal",
+                       integrator: str = "semi_implicit", **changes) -> "RefineProblem":
+        """The problem with nothing to fit: ``params`` predicting each window open loop from its measured start
+        (:meth:`prediction_rms`, :meth:`window_mse`, :meth:`residuals` at :meth:`initial_w`), to score a
+        parameter set or set windows aside. The windows, data and engine come from ``options`` (default:
+        :class:`RefineOptions`'s) with ``changes`` (any of its fields) applied; no parameter is free, nothing is
+        known or tied, no prior, the delay and the window starts are not optimised."""
+        opts = dataclasses.replace(options if options is not None else RefineOptions(), kinds=(), free=None,
+                                   known={}, ties=(), total_mass=None, estimate_delay=False,
+                                   optimize_initial_states=False, prior_std={}, prior_center=None, **changes)
+        return cls(structure, data, params, opts, backend=backend, integrator=integrator)
 
     # ---------------------------------------------------------------------------------------------
     def _build_windows(self, datasets: Sequence[Dataset]) -> None:
@@ -818,7 +842,7 @@ class RefineProblem:
         params = self.params_of(w)
         pred, Xend, Vend = self.simulate(params, self.delay_of(w), x0)
         r = (pred - self.targets) * self.mask[..., None].to(self.dtype)
-        L = (r * r).sum() / (self.n_obs * opts.noise_std_m ** 2)
+        L = (r * r).sum() / (self.n_obs * opts.loss_noise_std_m ** 2)
         if opts.continuity_weight > 0 and self.contiguous:
             a = torch.tensor([i for i, _ in self.contiguous], device=self.device)
             b = torch.tensor([j for _, j in self.contiguous], device=self.device)
@@ -827,7 +851,7 @@ class RefineProblem:
                                      1, torch.as_tensor(self.top.free_nodes, device=self.device),
                                      x0[b, :, :3] * X0_UNIT_M))
             gap = Xend[a] - X0n
-            L = L + opts.continuity_weight * (gap * gap).sum() / (len(self.contiguous) * opts.noise_std_m ** 2)
+            L = L + opts.continuity_weight * (gap * gap).sum() / (len(self.contiguous) * opts.loss_noise_std_m ** 2)
         if bool((self.prior_prec > 0).any()):
             dz = self.z_of(w) - self.z_start + self.prior_offset
             L = L + (self.prior_prec * dz * dz).sum() / max(self.n_obs, 1)
@@ -1035,7 +1059,7 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
     the factorised equations with fresh residuals (a rollout each, not a Jacobian). Returns True when converged
     (the loss stopped decreasing by more than ``stall_tolerance`` (relative) or a chi^2 of ``stall_chi2 * 1e-2``).
     """
-    sig2 = opts.noise_std_m ** 2
+    sig2 = opts.loss_noise_std_m ** 2
     norm = prob.n_obs * sig2
     nb = prob.B.shape[1]
     KB = prob.K @ prob.B

@@ -84,7 +84,8 @@ class RegressionOptions:
         non-identifiable.
     identifiable_threshold: ``identifiable[name]`` is True when identifiability >= this.
     mass_model: ``thin`` (nodal engine, twin) or ``cylinder`` (spring-rod engine), see
-        :func:`bar_mass_matrices`.
+        :func:`bar_mass_matrices`; None: the engine's (``thin`` here; :func:`~tensegrity_ros.ident.identify`
+        takes its backend's).
     string_gate: ``taut`` (a string pulls when D > 0 and its tension is > 0: the contract's law, the
         engines) or ``tension`` (tension > 0 only: the MuJoCo twin's pull-only actuators cannot express the
         D > 0 gate). The first pass always gates on D > 0 alone (the prior's damping may be far off).
@@ -107,7 +108,7 @@ class RegressionOptions:
     cluster_s: Optional[float] = None
     rank_tol: float = 1e-6
     identifiable_threshold: float = 0.9
-    mass_model: str = "thin"
+    mass_model: Optional[str] = None
     string_gate: str = "taut"
 
     def __post_init__(self):
@@ -580,7 +581,7 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
     for g, mem in enumerate(lay.groups):
         K[mem, g] = 1.0
     Z = _nullspace_bases(top, S.Q)
-    Eq = bar_mass_matrices(top, opts.mass_model)
+    Eq = bar_mass_matrices(top, opts.mass_model or "thin")
     m_eq = Z.shape[2]
     if S.Q.shape[0] * m_eq <= q:
         raise NotEnoughDataError(f"{S.Q.shape[0]} usable samples give {S.Q.shape[0] * m_eq} equations for {q} "
