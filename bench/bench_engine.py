@@ -34,6 +34,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / "build" / "torc
 
 from tensegrity_ros.engine import Inputs, make_engine  # noqa: E402
 from tensegrity_ros.engine._common import setup_compile  # noqa: E402
+from tensegrity_ros.metrics import rms_error  # noqa: E402
 from tensegrity_ros.model import load_structure  # noqa: E402
 
 DT = 1e-3
@@ -139,7 +140,7 @@ def _agreement(name, structure, integ):
             xm[k] = sim.node_positions()
         e = np.linalg.norm(xe - xm, axis=-1)
         out[f"mujoco_{integrator}_dt{DT / sub * 1e3:g}ms"] = {
-            "rms_mm": float(np.sqrt((e ** 2).mean()) * 1e3), "max_mm": float(e.max() * 1e3),
+            "rms_mm": rms_error(e) * 1e3, "max_mm": float(e.max() * 1e3),
             "duration_s": n * DT}
     return out
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from . import UserError
 from ..health import EXIT_DEGRADED, format_value
+from ..metrics import rms_error
 from ..param_names import kind_of
 from ..paths import CONFIG_DIR
 
@@ -114,8 +115,8 @@ def prediction_errors(predictions, gt_times: np.ndarray, gt_positions: np.ndarra
         truth = (1 - w) * gt_positions[j][:, cols] + w * gt_positions[j + 1][:, cols]
         err = np.linalg.norm(p.positions[:, keep] - truth, axis=-1)          # (K, n)
         stamps.append(p.stamp)
-        rms.append(float(np.sqrt(np.mean(err ** 2))))
-        end.append(float(np.sqrt(np.mean(err[-1] ** 2))))
+        rms.append(rms_error(err))
+        end.append(rms_error(err[-1]))
     return np.array(stamps), np.array(rms), np.array(end)
 
 
@@ -366,9 +367,9 @@ def summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_r
                        "update_s_p50": _pct(idn.update_time, 50, 1.0), "last_update_timings_s": idn.last_timings,
                        "update_s_p99": _pct(idn.update_time, 99, 1.0), "first_accepted_after_s": first_ok,
                        "last_rejection": idn.last_decision.reason if idn.last_decision and not idn.last_decision.accept else ""},
-        "prediction_rmse_mm": float(np.sqrt(np.mean(rms ** 2)) * 1e3) if rms.size else math.nan,
-        "prediction_rmse_mm_second_half": float(np.sqrt(np.mean(rms[half] ** 2)) * 1e3) if half.any() else math.nan,
-        "prediction_error_at_1s_mm": float(np.sqrt(np.mean(end ** 2)) * 1e3) if end.size else math.nan,
+        "prediction_rmse_mm": rms_error(rms) * 1e3,
+        "prediction_rmse_mm_second_half": rms_error(rms[half]) * 1e3,
+        "prediction_error_at_1s_mm": rms_error(end) * 1e3,
         "predictions_scored": int(rms.size),
         "predictions_published": pr.published,
         "predictions_skipped_uncovered": pr.skipped_uncovered,

@@ -41,6 +41,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from . import UserError
+from ..metrics import rms_error
 
 SETTLE_S = 6.0          # on the circle's start point before each scored window (not scored)
 TRACK_S = 30.0          # the scored window of each model
@@ -105,10 +106,6 @@ def plan_violations(angles: np.ndarray, dt: float, lower, upper, max_rate: float
         out += int(np.count_nonzero(np.abs(np.diff(a, axis=0)) > max_rate * dt * (1 + 1e-6) + tol))
     return out
 
-
-def _rms(x) -> float:
-    x = np.asarray(x, dtype=float)
-    return float(np.sqrt(np.mean(x ** 2))) if x.size else math.nan
 
 
 # =====================================================================================================
@@ -245,8 +242,8 @@ def _control_phase(graph, controller, probe, model: str, target: ControlTarget, 
 def _score(phase: dict, target: ControlTarget, stamps, poses) -> dict:
     _, pos, ang = tracking_errors(stamps, poses, target, phase["t0"], (0.0, TRACK_S))
     s = phase["solve_s"] * 1e3
-    return {"rmse_mm": _rms(pos) * 1e3, "max_error_mm": float(pos.max() * 1e3) if pos.size else math.nan,
-            "angle_rmse_deg": math.degrees(_rms(ang)) if ang.size else math.nan, "samples": int(pos.size),
+    return {"rmse_mm": rms_error(pos) * 1e3, "max_error_mm": float(pos.max() * 1e3) if pos.size else math.nan,
+            "angle_rmse_deg": math.degrees(rms_error(ang)) if ang.size else math.nan, "samples": int(pos.size),
             "controller_rate_hz": phase["rate_hz"], "holds": int(phase["holds"]),
             "solve_ms_p50": float(np.percentile(s, 50)) if s.size else math.nan,
             "solve_ms_p99": float(np.percentile(s, 99)) if s.size else math.nan,
@@ -262,9 +259,10 @@ def _open_loop_reference(stamps, poses, t_end: float, seconds: float = 20.0) -> 
     p = poses[keep]
     d = p[:, :3] - p[:, :3].mean(0)
     a = (p[:, 3:] - p[:, 3:].mean(0) + np.pi) % (2 * np.pi) - np.pi
-    return {"seconds": float(stamps[keep][-1] - stamps[keep][0]), "plate_motion_rms_mm": _rms(np.linalg.norm(d, axis=1)) * 1e3,
+    return {"seconds": float(stamps[keep][-1] - stamps[keep][0]),
+            "plate_motion_rms_mm": rms_error(np.linalg.norm(d, axis=1)) * 1e3,
             "plate_motion_peak_mm": float(np.linalg.norm(d, axis=1).max() * 1e3),
-            "plate_angle_rms_deg": math.degrees(_rms(a)),
+            "plate_angle_rms_deg": math.degrees(rms_error(a)),
             "what": "the plate's motion about its mean under the seed's phase-shifted sinusoids (open loop)"}
 
 
@@ -385,7 +383,7 @@ def run(args) -> int:
             "limit_violations": {"plan_points": plan_v, "driver_clamped": driver_clamped,
                                  "total": plan_v + driver_clamped},
             "open_loop_reference": _open_loop_reference(stamps, poses, t_ident_end),
-            "hold_at_start_rmse_mm": _rms(np.linalg.norm(hold[:, :3] - hold[0, :3], axis=1)) * 1e3,
+            "hold_at_start_rmse_mm": rms_error(np.linalg.norm(hold[:, :3] - hold[0, :3], axis=1)) * 1e3,
             "target": target.as_dict(),
             "identification_s": float(args.duration),
             "probe_error": probe.error,          # "" unless the target publisher / plan checker failed

@@ -441,6 +441,7 @@ def _report(tmp: Path, structure, identified, recs, datasets, result, *, prior_s
     from ..engine.params import UNITS
     from ..ident.heldout import prior_std_of
     from ..ident.pipeline import structure_prior_std
+    from ..metrics import rms_error
     from ..report import (parameter_rows, plate_motion, plot_convergence, plot_plate_motion, plot_residuals,
                           rows_csv, rows_markdown, rows_text)
     from ..report.prediction import horizon_prediction
@@ -463,16 +464,13 @@ def _report(tmp: Path, structure, identified, recs, datasets, result, *, prior_s
                                 "(restarted from the measurement every 1 s)")
         err = np.linalg.norm(pred - dataset.positions, axis=2)
         err = np.where(dataset.valid & np.isfinite(err), err, np.nan)
-        seen = np.isfinite(err).any(axis=1)
-        per_frame = np.full(len(err), np.nan)
-        per_frame[seen] = np.sqrt(np.nanmean(err[seen] ** 2, axis=1))
+        per_frame = rms_error(err, axis=1, skip_missing=True)
         names.append(Path(rec.path).name if not several else f"{k + 1}: {rec.path}")
         times.append(dataset.times)
         per_frames.append(1e3 * per_frame)
         errs.append(err[np.isfinite(err)])
         per_rec.append({"bag": str(rec.path), "duration_s": rec.duration_s,
-                        "prediction_1s_rms_mm": float(1e3 * np.sqrt(np.mean(err[np.isfinite(err)] ** 2)))
-                        if np.isfinite(err).any() else float("nan")})
+                        "prediction_1s_rms_mm": 1e3 * rms_error(err, skip_missing=True)})
         say(f"        {per_rec[-1]['prediction_1s_rms_mm']:.2f} mm RMS ({time.perf_counter() - t0:.1f} s)")
     say(f"report [{next(step)}/{steps}]: residual and convergence plots ...")
     verdicts = verdict_lines(result)
@@ -514,7 +512,7 @@ def _report(tmp: Path, structure, identified, recs, datasets, result, *, prior_s
     allerr = np.concatenate(errs) if errs else np.array([])
     summary = {**result.to_dict(), "bag": str(recs[0].path) if not several else [str(r.path) for r in recs],
                "duration_s": recs[0].duration_s if not several else sum(r.duration_s for r in recs),
-               "prediction_1s_rms_mm": float(1e3 * np.sqrt(np.mean(allerr ** 2))) if allerr.size else float("nan"),
+               "prediction_1s_rms_mm": 1e3 * rms_error(allerr),
                "parameters": rows}
     if several:
         for r, entry in zip(result.recordings or [{}] * len(per_rec), per_rec):

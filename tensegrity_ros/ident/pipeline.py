@@ -581,8 +581,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                                                         max_windows=fopts.max_windows or 16, delay_s=delay,
                                                         backend=opts.backend, integrator=opts.integrator)
                     with torch.no_grad():
-                        r = prob.residuals(prob.initial_w(delay), None)
-                        rms = float(torch.sqrt((r * r).sum() / max(prob.n_obs, 1)))
+                        rms = prob.residual_rms(prob.residuals(prob.initial_w(delay), None))
                 except IdentificationError as exc:  # too short for a window: no residual
                     notes.append(f"no prediction residual: {exc}")
             if not math.isfinite(rms) and "refine" in stages:

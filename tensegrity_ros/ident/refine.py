@@ -675,10 +675,13 @@ class RefineProblem:
             pred, _, _ = self.simulate(p, d, None)
             return (pred - self.targets) * self.mask[..., None].to(self.dtype)
 
+    def residual_rms(self, r: torch.Tensor) -> float:
+        """RMS 3-D position error (m) of masked residuals ``r`` (:meth:`residuals`) over the observed samples."""
+        return float(torch.sqrt((r * r).sum() / max(self.n_obs, 1)))
+
     def prediction_rms(self, params: Params, delay_s: Optional[float] = None) -> float:
         """RMS 3-D position error (m) of ``params`` from the measured window starts (no optimisation)."""
-        r = self._open_loop_residuals(params, delay_s)
-        val = float(torch.sqrt((r * r).sum() / max(self.n_obs, 1)))
+        val = self.residual_rms(self._open_loop_residuals(params, delay_s))
         return val if math.isfinite(val) else float("inf")
 
     def window_mse(self, params: Params, delay_s: Optional[float] = None) -> np.ndarray:
@@ -1015,8 +1018,7 @@ def refine(structure: Structure, data: Union[Dataset, Sequence[Dataset]], start:
     w_best, x0_best = best["w"], best["x0"]
     params, _ = prob.finalize(w_best)
     with torch.no_grad():
-        r = prob.residuals(w_best, x0_best)
-        rms = float(torch.sqrt((r * r).sum() / max(prob.n_obs, 1)))
+        rms = prob.residual_rms(prob.residuals(w_best, x0_best))
     params = params.map(lambda t: t.detach().to("cpu", torch.float64))
     return RefineResult(params=params, delay_s=float(prob.delay_of(w_best)), loss=best["loss"], residual_rms_m=rms,
                         history=history, converged=converged, iterations=counters["iter"],

@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ..frames import FRAME_NODES, euler_zyx, frame_from_nodes, relative_pose  # noqa: E402
+from ..metrics import rms_error  # noqa: E402
 from ..param_names import element_of, kind_of  # noqa: E402
 
 AXES_POS = ("x", "y", "z")
@@ -102,7 +103,7 @@ def plot_residuals(t, residual_mm, path: Path, label: str = "node position resid
         ax = axes[k, 0]
         tk = np.asarray(tk, dtype=float)
         ax.plot(tk - tk[0] if several and tk.size else tk, rk, lw=1)
-        rms = float(np.sqrt(np.nanmean(np.asarray(rk, dtype=float) ** 2))) if np.isfinite(rk).any() else math.nan
+        rms = rms_error(rk, skip_missing=True)
         sub = f"{names[k]}: " if names[k] else ""
         ax.set_title(f"{sub}{label}, RMS {rms:.2f} mm", fontsize=9, loc="left")
         ax.set_xlabel("time from the recording's start [s]" if several else "time [s]")
