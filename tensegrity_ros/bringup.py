@@ -34,8 +34,14 @@ from rclpy.executors import Executor, MultiThreadedExecutor, SingleThreadedExecu
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
-from .nodes import _common as C
+from .nodes.cdr import node_states_from_cdr, prediction_from_cdr
+from .nodes.convert import diag_values, parameter_set_from_msg
+from .nodes.graph_node import LeanNode
+from .nodes.stats import RollingStats, SequenceMonitor
+from .nodes.topics import DIAG_QOS, LATCHED_QOS, PREDICTION_QOS, SENSOR_READER_QOS, STREAM_QOS, TOPICS
+from .parameter_set import ParameterSet
 from .paths import CONFIG_DIR
+from .workers import limit_blas_threads
 
 CONFIG_NODES = CONFIG_DIR / "nodes"
 DEFAULT_MODEL = CONFIG_DIR / "models" / "stacked_manipulator.yaml"
@@ -128,22 +134,22 @@ def _parameters(values: Mapping[str, Any]) -> List[Parameter]:
 # =====================================================================================================
 # the monitor
 # =====================================================================================================
-class GraphMonitor(C.LeanNode):
+class GraphMonitor(LeanNode):
     """Counts every topic's messages (raw subscriptions, no deserialisation), finds drops from the DDS
     publication sequence numbers, and keeps what the demo / tests score: ground truth (all of it), node
     states, identified parameter sets, every ``keep_predictions_every``-th prediction (decoded), the
     latest diagnostics per status name, and raw messages of ``record_topics`` for a bag."""
 
     TOPIC_TYPES = {
-        C.TOPICS["markers"]: "geometry_msgs/msg/PoseArray",
-        C.TOPICS["node_states"]: "tensegrity_ros/msg/NodeStates",
-        C.TOPICS["motor_states"]: "sensor_msgs/msg/JointState",
-        C.TOPICS["identified_parameters"]: "tensegrity_ros/msg/IdentifiedParameters",
-        C.TOPICS["predicted_states"]: "tensegrity_ros/msg/PredictedStates",
-        C.TOPICS["plate_c1"]: "geometry_msgs/msg/PoseStamped",
-        C.TOPICS["plate_c2"]: "geometry_msgs/msg/PoseStamped",
-        C.TOPICS["ground_truth"]: "tensegrity_ros/msg/NodeStates",
-        C.TOPICS["diagnostics"]: "diagnostic_msgs/msg/DiagnosticArray",
+        TOPICS["markers"]: "geometry_msgs/msg/PoseArray",
+        TOPICS["node_states"]: "tensegrity_ros/msg/NodeStates",
+        TOPICS["motor_states"]: "sensor_msgs/msg/JointState",
+        TOPICS["identified_parameters"]: "tensegrity_ros/msg/IdentifiedParameters",
+        TOPICS["predicted_states"]: "tensegrity_ros/msg/PredictedStates",
+        TOPICS["plate_c1"]: "geometry_msgs/msg/PoseStamped",
+        TOPICS["plate_c2"]: "geometry_msgs/msg/PoseStamped",
+        TOPICS["ground_truth"]: "tensegrity_ros/msg/NodeStates",
+        TOPICS["diagnostics"]: "diagnostic_msgs/msg/DiagnosticArray",
     }
 
     def __init__(self, name: str = "graph_monitor", *, topics: Optional[Sequence[str]] = None,
@@ -162,7 +168,7 @@ class GraphMonitor(C.LeanNode):
                  "tensegrity_ros/msg/PredictedStates": PredictedStates,
                  "geometry_msgs/msg/PoseStamped": PoseStamped,
                  "diagnostic_msgs/msg/DiagnosticArray": DiagnosticArray}
-        self.seq = C.SequenceMonitor()
+        self.seq = SequenceMonitor()
         self.first_rx: Dict[str, float] = {}
         rec = set(self.TOPIC_TYPES) if record_topics and "*" in record_topics else set(record_topics or ())
         self.topics = tuple(t for t in self.TOPIC_TYPES if topics is None or t in topics or t in rec)
@@ -174,18 +180,18 @@ class GraphMonitor(C.LeanNode):
         self.ground_truth: Deque = deque(maxlen=200_000)
         self.node_states: Deque = deque(maxlen=200_000)
         self.predictions: Deque = deque(maxlen=100_000)
-        self.parameter_sets: List[C.ParameterSet] = []
+        self.parameter_sets: List[ParameterSet] = []
         self.diagnostics: Dict[str, Any] = {}
         self.lock = threading.Lock()
         self._n_pred = 0
         self._types = types
         for topic in self.topics:
             tname = self.TOPIC_TYPES[topic]
-            qos = C.LATCHED_QOS if topic == C.TOPICS["identified_parameters"] else (
-                C.PREDICTION_QOS if topic == C.TOPICS["predicted_states"] else
-                (C.DIAG_QOS if topic == C.TOPICS["diagnostics"] else
+            qos = LATCHED_QOS if topic == TOPICS["identified_parameters"] else (
+                PREDICTION_QOS if topic == TOPICS["predicted_states"] else
+                (DIAG_QOS if topic == TOPICS["diagnostics"] else
                  # motor states are published best effort (sensor data): a reliable reader would match nothing
-                 C.SENSOR_READER_QOS if topic == C.TOPICS["motor_states"] else C.STREAM_QOS))
+                 SENSOR_READER_QOS if topic == TOPICS["motor_states"] else STREAM_QOS))
             self.create_subscription(types[tname], topic, self._callback(topic, tname), qos, raw=True)
 
     def _callback(self, topic: str, tname: str):
@@ -196,32 +202,32 @@ class GraphMonitor(C.LeanNode):
         def cb(data: bytes, info=None):
             now = time.time()
             # /diagnostics has many publishers: their sequence numbers interleave, so only count it
-            self.seq.update_info(topic, None if topic == C.TOPICS["diagnostics"] else info)
+            self.seq.update_info(topic, None if topic == TOPICS["diagnostics"] else info)
             self.first_rx.setdefault(topic, now)
             if topic in self.recorded:
                 k = self._rec_count.get(topic, 0)
                 self._rec_count[topic] = k + 1
                 if k % self.record_every.get(topic, 1) == 0:
                     self.recorded[topic].append((now, bytes(data)))
-            if topic == C.TOPICS["predicted_states"]:
+            if topic == TOPICS["predicted_states"]:
                 self._n_pred += 1
                 if (self._n_pred - 1) % self.keep_predictions_every == 0:
-                    self.predictions.append(C.prediction_from_cdr(bytes(data)))
-            elif topic == C.TOPICS["ground_truth"]:
-                r = C.node_states_from_cdr(bytes(data))
+                    self.predictions.append(prediction_from_cdr(bytes(data)))
+            elif topic == TOPICS["ground_truth"]:
+                r = node_states_from_cdr(bytes(data))
                 self.ground_truth.append((r.stamp, r.positions))
-            elif topic == C.TOPICS["node_states"] and self.keep_node_states:
-                r = C.node_states_from_cdr(bytes(data))
+            elif topic == TOPICS["node_states"] and self.keep_node_states:
+                r = node_states_from_cdr(bytes(data))
                 self.node_states.append((r.stamp, r.names, r.positions, r.valid))
-            elif topic == C.TOPICS["identified_parameters"]:
-                ps = C.parameter_set_from_msg(deserialize_message(data, cls))
+            elif topic == TOPICS["identified_parameters"]:
+                ps = parameter_set_from_msg(deserialize_message(data, cls))
                 with self.lock:
                     self.parameter_sets.append(ps)
-            elif topic == C.TOPICS["diagnostics"]:
+            elif topic == TOPICS["diagnostics"]:
                 msg = deserialize_message(data, cls)
                 with self.lock:
                     for st in msg.status:
-                        self.diagnostics[st.name] = (st.level, st.message, C.diag_values(st))
+                        self.diagnostics[st.name] = (st.level, st.message, diag_values(st))
 
         return cb
 
@@ -243,7 +249,7 @@ class GcPauses:
         import gc
 
         self._gc = gc
-        self.pauses = {g: C.RollingStats(5000) for g in range(3)}
+        self.pauses = {g: RollingStats(5000) for g in range(3)}
         self._t0 = 0.0
 
     def _callback(self, phase: str, info: Mapping[str, Any]) -> None:
@@ -367,7 +373,7 @@ class Graph:
                 out[t] = out.get(t, 0) + n
         return out
 
-    def subscribers(self) -> Dict[str, C.SequenceMonitor]:
+    def subscribers(self) -> Dict[str, SequenceMonitor]:
         """Every counting subscriber of the graph: the monitor and the nodes' own input monitors."""
         out = {name: node.seq for name, node in self.nodes.items() if getattr(node, "seq", None) is not None}
         if self.predictor_proc is not None:
@@ -451,7 +457,7 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
             raise FileNotFoundError(f"{f}: no such file")
     if cfg.switch_interval_s:
         sys.setswitchinterval(cfg.switch_interval_s)   # many short callbacks + compute threads share the GIL
-    C.limit_blas_threads(1)                            # small linear algebra: no BLAS thread pool (see there)
+    limit_blas_threads(1)                            # small linear algebra: no BLAS thread pool (see there)
     priorities = {}
     if cfg.graph_nice is not None:
         priorities["graph_process"] = _renice(cfg.graph_nice, "the graph's process")
@@ -493,11 +499,11 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
         if cfg.monitor:
             consumed = set()   # topics a graph node already counts (its own input monitor)
             if "mocap_ingest" in cfg.nodes:
-                consumed.add(C.TOPICS["markers"])
+                consumed.add(TOPICS["markers"])
             if {"online_identifier", "state_predictor"} & set(cfg.nodes):
-                consumed |= {C.TOPICS["node_states"], C.TOPICS["motor_states"]}
+                consumed |= {TOPICS["node_states"], TOPICS["motor_states"]}
             if cfg.keep_node_states:
-                consumed.discard(C.TOPICS["node_states"])
+                consumed.discard(TOPICS["node_states"])
             topics = [t for t in GraphMonitor.TOPIC_TYPES if t not in consumed and t not in cfg.monitor_skip]
             record = cfg.record_topics
             if record and "*" in record:
@@ -555,7 +561,7 @@ def _published(nodes: Mapping[str, Node]) -> Dict[str, int]:
             out[topic] = out.get(topic, 0) + pub.count
     drv = nodes.get("dynamixel_driver")
     if drv is not None and drv.core is not None:
-        out[C.TOPICS["motor_states"]] = int(drv.core.stats.cycles) + 1   # + the state published at start
+        out[TOPICS["motor_states"]] = int(drv.core.stats.cycles) + 1   # + the state published at start
     return out
 
 
@@ -720,7 +726,7 @@ class NodeProcess:
             return self.request("stats")
         except (EOFError, OSError, RuntimeError) as e:
             empty = {"published": {}, "driver": {}, "sim": {}} if self.role == "robot" else \
-                {"published": {}, "seq": C.SequenceMonitor()}
+                {"published": {}, "seq": SequenceMonitor()}
             return {**empty, "faults": {f"{self.role}_process": str(e)}}
 
     def stop(self) -> Dict[str, Any]:
@@ -831,8 +837,8 @@ def delivery(graph: Graph, duration_s: float) -> Dict[str, Dict[str, float]]:
         return min(got) if got else 0
 
     ing = nodes.get("mocap_ingest")
-    received = {"mocap_frames": ing.seq.received.get(C.TOPICS["markers"], 0) if ing is not None else 0,
-                "motor_states": least(C.TOPICS["motor_states"]), "node_states": least(C.TOPICS["node_states"])}
+    received = {"mocap_frames": ing.seq.received.get(TOPICS["markers"], 0) if ing is not None else 0,
+                "motor_states": least(TOPICS["motor_states"]), "node_states": least(TOPICS["node_states"])}
     rates = {"mocap_frames": mocap_hz, "motor_states": motor_hz, "node_states": mocap_hz}
     return {k: {"expected": expected_count(rates[k], duration_s), "received": int(received[k]),
                 "fraction": delivered_fraction(received[k], rates[k], duration_s)} for k in received}

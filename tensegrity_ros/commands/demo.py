@@ -216,7 +216,7 @@ def demo_nodes(args, nodes):
 def graph_config(args, **fields):
     """The demo's GraphConfig from its arguments (``fields`` on top: nodes, overrides, ...)."""
     from ..bringup import DEFAULT_NODES, GraphConfig
-    from ..nodes._common import TOPICS
+    from ..nodes.topics import TOPICS
 
     values = dict(nodes=demo_nodes(args, DEFAULT_NODES), model_file=args.model, reference_file=args.reference, perturb_fraction=args.perturb,
                   overrides={"sim_robot": {"perturb_seed": int(args.seed)}}, robot_process=args.robot_process,

@@ -116,14 +116,16 @@ def _make_probe(graph, controller, structure):
 
     from .. import frames as F
     from ..hardware.plan import PlanError, plan_from_message
-    from ..nodes import _common as C
+    from ..nodes.convert import sec_to_stamp
+    from ..nodes.graph_node import LeanNode
+    from ..nodes.topics import TOPICS
 
     lo = np.array([a.limits[0] for a in structure.actuators])
     hi = np.array([a.limits[1] for a in structure.actuators])
     names = [a.name for a in structure.actuators]
     max_rate = float(controller.p["max_rate_rad_s"])
 
-    class ControlProbe(C.LeanNode):
+    class ControlProbe(LeanNode):
         def __init__(self):
             super().__init__("control_demo_probe", context=graph.context, qos_events=False)
             self.target: Optional[ControlTarget] = None
@@ -133,7 +135,7 @@ def _make_probe(graph, controller, structure):
             self.bad_plans = 0
             self.pub = self.create_publisher(PoseArray, "/tensegrity/plate_target_trajectory", 10)
             self.error = ""
-            self.create_subscription(controller._plan_cls, C.TOPICS["motor_plan"], self._guard(self._on_plan), 10)
+            self.create_subscription(controller._plan_cls, TOPICS["motor_plan"], self._guard(self._on_plan), 10)
             self.create_timer(1.0 / PUBLISH_HZ, self._guard(self._publish))
 
         def _guard(self, fn):
@@ -153,7 +155,7 @@ def _make_probe(graph, controller, structure):
             now = self.get_clock().now().nanoseconds * 1e-9
             ts = now - 0.1 + TRAJ_DT * np.arange(int(round((TRAJ_AHEAD_S + 0.1) / TRAJ_DT)) + 1)
             msg = PoseArray()
-            msg.header.stamp = C.sec_to_stamp(float(ts[0]))
+            msg.header.stamp = sec_to_stamp(float(ts[0]))
             msg.header.frame_id = "C0"
             for y in self.target.pose(ts - self.t0):
                 p = Pose()

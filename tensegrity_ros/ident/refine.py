@@ -215,7 +215,7 @@ def _axial_matrices(top, params: Params, positions: Optional[np.ndarray] = None)
     and the reduced mass matrix M at ``positions`` (default: the structure's), restricted to the motions
     that keep the bar lengths (Z^T K Z etc., Z a basis of the bar-length Jacobian's null space): along a bar
     a light bar end would otherwise show a damping rate ~10x above any the constrained model has."""
-    from .regression import _nullspace_bases
+    from .regression import nullspace_bases
     X = top.X0 if positions is None else positions
     k = params.stiffness.detach().cpu().double().numpy().reshape(-1)
     z = params.damping.detach().cpu().double().numpy().reshape(-1)
@@ -234,7 +234,7 @@ def _axial_matrices(top, params: Params, positions: Optional[np.ndarray] = None)
         C += z[c] * gg
     Mq = np.einsum("b,bfg->fg", m, top.E_q)
     M = np.kron(Mq, np.eye(3))
-    Z = _nullspace_bases(top, X[np.asarray(top.free_nodes)][None])[0]
+    Z = nullspace_bases(top, X[np.asarray(top.free_nodes)][None])[0]
     return Z.T @ K @ Z, Z.T @ C @ Z, Z.T @ M @ Z
 
 

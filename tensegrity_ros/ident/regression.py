@@ -294,7 +294,7 @@ def _take(S: _Samples, idx: np.ndarray) -> _Samples:
     return _Samples(S.Q[idx], S.V[idx], S.A[idx], f(S.u), f(S.ud), f(S.fext), f(S.fctrl), S.cluster[idx], S.smoothed)
 
 
-def _nullspace_bases(top: Topology, Q: np.ndarray) -> np.ndarray:
+def nullspace_bases(top: Topology, Q: np.ndarray) -> np.ndarray:
     """(n, 3 nf, 3 nf - nb) orthonormal bases of ker J(t) (bar-length Jacobian in reduced coordinates)."""
     act = top.active_bars
     nf = top.n_free
@@ -580,7 +580,7 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
     K = np.zeros((p_full, q))
     for g, mem in enumerate(lay.groups):
         K[mem, g] = 1.0
-    Z = _nullspace_bases(top, S.Q)
+    Z = nullspace_bases(top, S.Q)
     Eq = bar_mass_matrices(top, opts.mass_model or "thin")
     m_eq = Z.shape[2]
     if S.Q.shape[0] * m_eq <= q:

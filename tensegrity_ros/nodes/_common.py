@@ -1,6 +1,6 @@
 """What every node of the graph shares, written once: a facade over the modules that do each job.
 
-``from . import _common as C`` (the nodes, :mod:`tensegrity_ros.bringup`, bench/ and test/) keeps working; new
+``from . import _common as C`` (the nodes of this package, bench/ and test/) keeps working; new
 code may import from the module that owns a name.
 
 * **Topics and QoS** (:mod:`.topics`): :data:`TOPICS`, the stream / sensor / latched profiles, :func:`sensor_qos`,

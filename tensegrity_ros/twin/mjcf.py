@@ -89,7 +89,7 @@ def _rod_inertia(a: np.ndarray, b: np.ndarray, m: float, about: np.ndarray) -> n
     return m / 12.0 * (d @ d * eye - np.outer(d, d)) + m * (c @ c * eye - np.outer(c, c))
 
 
-def _frame_along(d: np.ndarray) -> np.ndarray:
+def frame_along(d: np.ndarray) -> np.ndarray:
     """A rotation whose z axis is ``d`` (unit), x axis chosen deterministically."""
     z = d / np.linalg.norm(d)
     helper = np.array([1.0, 0.0, 0.0]) if abs(z[0]) < 0.9 else np.array([0.0, 1.0, 0.0])
@@ -170,7 +170,7 @@ def build_layout(s: Structure) -> TwinLayout:
             b = bars[0]
             a, c = pos[b.nodes[0]], pos[b.nodes[1]]
             length = float(np.linalg.norm(c - a))
-            com, rot = 0.5 * (a + c), _frame_along(c - a)
+            com, rot = 0.5 * (a + c), frame_along(c - a)
             it = b.mass * length ** 2 / 12.0
             inertia = np.diag([it, it, max(it * AXIAL_INERTIA_RATIO, 1e-12)])
             name = b.name

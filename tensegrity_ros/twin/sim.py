@@ -20,7 +20,7 @@ import numpy as np
 
 from ..frames import fit_rigid_transform
 from ..model.schema import Structure
-from .mjcf import DEFAULT_SOLIMP, DEFAULT_SOLREF, TwinLayout, _frame_along, build_layout, build_mjcf
+from .mjcf import DEFAULT_SOLIMP, DEFAULT_SOLREF, TwinLayout, build_layout, build_mjcf, frame_along
 
 MotorAngleFn = Callable[[float], Sequence[float]]
 
@@ -251,7 +251,7 @@ class TwinSim:
             if not body.rigid_cluster:
                 a, b = (p[idx[n]] for n in s.bar(body.bars[0]).nodes)
                 va, vb = (v[idx[n]] for n in s.bar(body.bars[0]).nodes)
-                rot = _frame_along(b - a)
+                rot = frame_along(b - a)
                 com = 0.5 * (a + b)
                 axis = (b - a) / np.linalg.norm(b - a)
                 vcom = 0.5 * (va + vb)
