@@ -68,6 +68,14 @@ def test_node_topics_service_and_torque_off(rclpy_context, ros_executor, make_no
             assert spin_until(ros_executor, fut.done, timeout=5.0)
             assert fut.result().success is ok
         assert node.core.command_source == "hold"
+        # run-time parameters, checked as every node checks them (nodes.params.check_changes): a new source takes
+        # effect in the core; a value outside the choices, or one the core refuses, is refused with its reason
+        assert node.set_parameters([Parameter("command_source", value="topic")])[0].successful
+        assert node.core.command_source == "topic" and node.p["command_source"] == "topic"
+        for value, why in (("bogus", "must be one of"), ("reference", "no reference loaded")):
+            res = node.set_parameters([Parameter("command_source", value=value)])[0]
+            assert not res.successful and why in res.reason, res.reason
+        assert node.core.command_source == "topic" and node.p["command_source"] == "topic"
     finally:
         ros_executor.remove_node(node)
         node.destroy_node()

@@ -32,8 +32,8 @@ from .convert import (LEVELS, diag_status, diag_values, joint_state_from_msg, jo
                       pose_from_matrix, pose_stamped_from_matrix, prediction_from_msg, prediction_to_msg,
                       sample_to_node_states, sec_to_stamp, stamp_to_sec, transform_stamped_from_matrix)
 from .graph_node import CountingPublisher, GraphNode, LeanNode, run_node
-from .params import (Check, ParameterError, ParamSpec, declare_parameters, file_exists, nonnegative, positive,
-                     required_file, spec_table, transform_from_list, transform_list)
+from .params import (Check, ParameterError, ParamSpec, check_changes, declare_parameters, file_exists, nonnegative,
+                     positive, required_file, spec_table, transform_from_list, transform_list)
 from .records import JointRecord, NodeStatesRecord, Prediction
 from .stats import RateMeter, RollingStats, SequenceMonitor
 from .topics import (DIAG_QOS, LATCHED_QOS, PREDICTION_QOS, QOS_RELIABILITIES, SENSOR_DEPTH, SENSOR_QOS,
@@ -47,7 +47,7 @@ __all__ = [
     "sensor_qos_params",
     # params
     "ParameterError", "Check", "ParamSpec", "positive", "nonnegative", "file_exists", "required_file",
-    "transform_list", "transform_from_list", "declare_parameters", "spec_table",
+    "transform_list", "transform_from_list", "declare_parameters", "spec_table", "check_changes",
     # graph_node
     "LeanNode", "GraphNode", "CountingPublisher", "run_node",
     # stats

@@ -20,7 +20,7 @@ from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile
 
 from ..workers import limit_blas_threads
-from .params import ParamSpec, declare_parameters, spec_table
+from .params import ParamSpec, check_changes, declare_parameters, spec_table
 from .topics import DIAG_QOS, TOPICS
 
 
@@ -77,21 +77,10 @@ class GraphNode(LeanNode):
         return None
 
     def _on_set_parameters(self, params: List[Parameter]) -> SetParametersResult:
-        for prm in params:
-            spec = self._specs.get(prm.name)
-            if spec is None:
-                continue   # use_sim_time and other non-table parameters
-            value = list(prm.value) if isinstance(prm.value, (list, tuple)) else prm.value
-            if type(spec.default) is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            why = spec.problem(value)
-            if why is None:
-                why = self.on_parameter_change(prm.name, value)
-            if why:
-                return SetParametersResult(successful=False, reason=why)
-        for prm in params:
-            if prm.name in self._specs:
-                self.p[prm.name] = list(prm.value) if isinstance(prm.value, (list, tuple)) else prm.value
+        why, values = check_changes(self._specs, params, self.on_parameter_change)
+        if why:
+            return SetParametersResult(successful=False, reason=why)
+        self.p.update(values)
         return SetParametersResult(successful=True)
 
     # ---- guarded callbacks --------------------------------------------------------------------

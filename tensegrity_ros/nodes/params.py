@@ -3,8 +3,8 @@ check), reusable checks, and :func:`declare_parameters`.
 
 The node declares them with ParameterDescriptors (:func:`declare_parameters`), validates the start values (a bad
 value fails node creation with every problem listed) and rejects bad run-time changes with a reason
-(:meth:`~.graph_node.GraphNode._on_set_parameters`, as in ros2/demos ``set_parameters_callback.py``). The
-launch-file test reads the same tables (``<node module>.PARAMS``).
+(:func:`check_changes`, in every node's set-parameters callback, as in ros2/demos ``set_parameters_callback.py``).
+The launch-file test reads the same tables (``<node module>.PARAMS``).
 
 rclpy-free at import time (only the ``rcl_interfaces`` message classes): :func:`declare_parameters` imports
 ``rclpy.parameter`` when called, so specs and their validation can be used without rclpy.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
@@ -163,3 +163,29 @@ def declare_parameters(node: Node, specs: Sequence[ParamSpec]) -> Dict[str, Any]
 
 def spec_table(specs: Sequence[ParamSpec]) -> Dict[str, ParamSpec]:
     return {s.name: s for s in specs}
+
+
+def check_changes(table: Mapping[str, ParamSpec], params: Sequence[Any],
+                  veto: Optional[Callable[[str, Any], Optional[str]]] = None) -> Tuple[Optional[str], Dict[str, Any]]:
+    """Run-time changes (rclpy ``Parameter`` objects: ``.name``, ``.value``) against their specs, as every node's
+    set-parameters callback checks them: (None, {name: value}) when all are accepted, else (the first reason, {}).
+
+    Values are normalised as :func:`declare_parameters` does (arrays -> lists, an integer for a float parameter ->
+    float). Parameters outside ``table`` (``use_sim_time``, ...) pass unchecked and are not returned. ``veto(name,
+    value)`` is asked for each change that meets its spec (the node may apply it there) and returns a reason to
+    refuse it, or None."""
+    values: Dict[str, Any] = {}
+    for prm in params:
+        spec = table.get(prm.name)
+        if spec is None:
+            continue
+        value = list(prm.value) if isinstance(prm.value, (list, tuple)) else prm.value
+        if type(spec.default) is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        why = spec.problem(value)
+        if why is None and veto is not None:
+            why = veto(prm.name, value)
+        if why:
+            return why, {}
+        values[prm.name] = value
+    return None, values
