@@ -13,43 +13,35 @@ constraints. The linear constraints are eliminated exactly by reduced coordinate
 lambda is the seed's bar force density (lambda_hat, eq. 5/8, up to sign). After each step, positions and
 velocities are projected back onto the bar-length manifold (mass-weighted Gauss-Newton, reusing A^-1).
 
+The equations are written once, in :mod:`.laws`, for this module's reference layout (batch first,
+:class:`BatchFirst`) and for the batch-last throughput layout of :mod:`.fast`. This module holds the
+reference layout's products and solvers, the reference-layout entry points (with the signatures the tangent
+model and identification use), the drivers, the diagnostics and the :class:`NodalEngine`.
+
 Everything is a pure function of (constants, params, state, inputs); the :class:`NodalEngine` only bundles
 the constants of one structure.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
-import numpy as np
 import torch
 
-from . import integrators
-from ._common import (as_tensor, convert_like, register_tensor_dataclass, setup_compile, spd_inverse,
-                      unsqueeze_batch)
+from . import integrators, laws
+from ._common import convert_like, spd_inverse, unsqueeze_batch
+from .laws import (Constrained, Derived, NodalConstants, Options, StringState, prepare,  # noqa: F401 (re-exported)
+                   reduced_mass_matrix)
 from .params import Params, params_from_structure
 from .state import Inputs, State
 from .topology import Topology, build_topology
 
 
 # =====================================================================================================
-# constants and per-params derived quantities
-# Internal layout is the seed's: coordinates first, nodes last (Q: (B, 3, n_free)), so every constant
-# matrix multiplies from the right and batched products fold into one matrix multiply.
+# the reference layout: coordinates first, nodes last (Q: (B, 3, n_free)), so every constant matrix
+# multiplies from the right and batched products fold into one matrix multiply
 # =====================================================================================================
-def _gather_form(M: np.ndarray):
-    """(idx, w) with X @ M == (X[..., idx] * w).sum(-1); idx, w: (k_out, max nonzeros per column)."""
-    k_in, k_out = M.shape
-    nnz = [np.flatnonzero(M[:, o]) for o in range(k_out)]
-    width = max([1] + [len(z) for z in nnz])
-    idx = np.zeros((k_out, width), dtype=np.int64)
-    w = np.zeros((k_out, width))
-    for o, z in enumerate(nnz):
-        idx[o, :len(z)] = z
-        w[o, :len(z)] = M[z, o]
-    return idx, w
-
-
 def rmul(X: torch.Tensor, M: torch.Tensor, idx: Optional[torch.Tensor] = None, w: Optional[torch.Tensor] = None,
          fused: bool = False) -> torch.Tensor:
     """X (..., k_in) @ M (k_in, k_out) or batched M (Bp, k_in, k_out).
@@ -66,148 +58,6 @@ def rmul(X: torch.Tensor, M: torch.Tensor, idx: Optional[torch.Tensor] = None, w
     return (X.unsqueeze(-1) * M.unsqueeze(-3)).sum(-2)
 
 
-@register_tensor_dataclass
-@dataclass(frozen=True)
-class NodalConstants:
-    """Constant tensors of a structure (see :mod:`.topology`); floating ones follow the state's dtype/device.
-
-    T: (N, n_free); Tt: (n_free, N) = T^T; XcT: (3, N) m; free_idx: (n_free,) long;
-    Cb_q: (nba, n_free) = C_b T over the nba bars with a free node; Cbt: (n_free, nba); dcT: (3, nba) m;
-    l2: (nba,) squared bar lengths, m^2; Cs_q: (n_seg, n_free); Cst: (n_free, n_seg); scT: (3, n_seg) m;
-    G: (n_seg, n_strings); Gt: (n_strings, n_seg); Ydir: (n_strings, A); spring, cord: (n_strings,) the stiffness
-    law's masks (1.0 where a string follows the ``spring`` / ``cord`` law, else 0.0); E_q: (n_bars, n_free, n_free);
-    WqT: (n_bars, n_free); gravity: (3,) m/s^2; bar_nodes: (n_bars, 2) long; bar_lengths: (n_bars,) m;
-    seg_nodes: (n_seg, 2) long; E: (n_bars, N, N); W: (N, n_bars).
-    ``*_i`` / ``*_w``: the same constant matrices in gather form (see :func:`rmul`): for ``X @ M``, output
-    column o is sum_k w[o, k] X[..., i[o, k]] (padded with zero weights).
-    """
-
-    T: torch.Tensor
-    Tt: torch.Tensor
-    XcT: torch.Tensor
-    free_idx: torch.Tensor
-    Cb_q: torch.Tensor
-    Cbt: torch.Tensor
-    dcT: torch.Tensor
-    l2: torch.Tensor
-    Cs_q: torch.Tensor
-    Cst: torch.Tensor
-    scT: torch.Tensor
-    G: torch.Tensor
-    Gt: torch.Tensor
-    Ydir: torch.Tensor
-    spring: torch.Tensor
-    cord: torch.Tensor
-    E_q: torch.Tensor
-    WqT: torch.Tensor
-    gravity: torch.Tensor
-    bar_nodes: torch.Tensor
-    bar_lengths: torch.Tensor
-    seg_nodes: torch.Tensor
-    E: torch.Tensor
-    W: torch.Tensor
-    Cst_i: torch.Tensor
-    Cst_w: torch.Tensor
-    Cs_q_i: torch.Tensor
-    Cs_q_w: torch.Tensor
-    Cbt_i: torch.Tensor
-    Cbt_w: torch.Tensor
-    G_i: torch.Tensor
-    G_w: torch.Tensor
-    Gt_i: torch.Tensor
-    Gt_w: torch.Tensor
-    Tt_i: torch.Tensor
-    Tt_w: torch.Tensor
-
-    @staticmethod
-    def build(top: Topology, dtype=torch.float64, device=None) -> "NodalConstants":
-        act = top.active_bars
-        t = lambda x: as_tensor(np.ascontiguousarray(x), dtype, device)  # noqa: E731
-        sparse = {}
-        for name, M in (("Cst", top.Cs_q.T), ("Cs_q", top.Cs_q), ("Cbt", top.Cb_q[act].T), ("G", top.G),
-                        ("Gt", top.G.T), ("Tt", top.T.T)):
-            i, w = _gather_form(M)
-            sparse[name + "_i"], sparse[name + "_w"] = t(i), t(w)
-        return NodalConstants(**sparse,
-            T=t(top.T), Tt=t(top.T.T), XcT=t(top.Xc.T), free_idx=t(np.array(top.free_nodes, dtype=np.int64)),
-            Cb_q=t(top.Cb_q[act]), Cbt=t(top.Cb_q[act].T), dcT=t(top.d_c[act].T), l2=t(top.bar_lengths[act] ** 2),
-            Cs_q=t(top.Cs_q), Cst=t(top.Cs_q.T), scT=t(top.s_c.T), G=t(top.G), Gt=t(top.G.T), Ydir=t(top.Ydir),
-            spring=t(top.spring), cord=t(1.0 - top.spring),
-            E_q=t(top.E_q), WqT=t(top.W_q.T), gravity=t(top.gravity), bar_nodes=t(top.bar_nodes),
-            bar_lengths=t(top.bar_lengths), seg_nodes=t(top.seg_nodes), E=t(top.E), W=t(top.W))
-
-
-@register_tensor_dataclass
-@dataclass(frozen=True)
-class Derived:
-    """Per-params quantities (no batch dim for unbatched params, else the params batch Bp first).
-
-    EA: (Bp, S) N; zeta: (Bp, S) N s/m; xi00: (Bp, S) m; Y: (Bp, S, A) m/rad; z: (Bp, A) rad;
-    kc: (Bp, S) N/m. The stiffness is kappa = EA / xi0 + kc: cord strings have EA = stiffness * xi00 and kc = 0,
-    spring strings EA = 0 and kc = stiffness (see :func:`prepare`; every Derived of this engine has kc);
-    Mq: (Bp, n_free, n_free) kg; Minv: (Bp, n_free, n_free) 1/kg; Pt: (Bp, nba, n_free) = (C_b T) M_q^-1;
-    Gc: (Bp, nba, nba) = (C_b T) M_q^-1 (C_b T)^T; FgT: (Bp, 3, n_free) generalised weight, N.
-    """
-
-    EA: torch.Tensor
-    zeta: torch.Tensor
-    xi00: torch.Tensor
-    Y: torch.Tensor
-    z: torch.Tensor
-    Mq: torch.Tensor
-    Minv: torch.Tensor
-    Pt: torch.Tensor
-    Gc: torch.Tensor
-    FgT: torch.Tensor
-    #: last and optional so that the spring-rod engine's Derived (which has no stiffness laws: None) still builds
-    kc: Optional[torch.Tensor] = None
-
-
-def reduced_mass_matrix(c: NodalConstants, mass: torch.Tensor) -> torch.Tensor:
-    """M_q = T^T (sum_b m_b E_b) T: (..., n_free, n_free) kg from mass (..., n_bars) kg."""
-    return torch.einsum("...b,bfg->...fg", mass, c.E_q)
-
-
-def prepare(c: NodalConstants, p: Params) -> Derived:
-    """Quantities that depend on params only (mass matrix inverse, bar coupling G, weights, EA, kc, Y).
-
-    The stiffness law of each string (``String.stiffness_law``) enters as a split of the stiffness parameter
-    k into EA = k xi00 (cord) and kc = k (spring) with the constant 0/1 masks, so that everywhere
-    kappa = EA / xi0 + kc: one batched, differentiable expression for both laws, and for cord strings
-    bit-for-bit the former EA / xi0 (multiplying by 1.0 and adding 0.0 are exact).
-    """
-    k, zeta, xi00, m = p.stiffness, p.damping, p.rest_length, p.mass
-    Mq = reduced_mass_matrix(c, m)
-    Minv = torch.linalg.inv(Mq)
-    Pt = c.Cb_q @ Minv
-    Gc = Pt @ c.Cbt
-    FgT = c.gravity.unsqueeze(-1) * (m @ c.WqT).unsqueeze(-2)
-    Y = c.Ydir * p.spool_radius.unsqueeze(-2)
-    return Derived(EA=k * xi00 * c.cord, zeta=zeta, xi00=xi00, Y=Y, z=p.zero_offset, kc=k * c.spring, Mq=Mq,
-                   Minv=Minv, Pt=Pt, Gc=Gc, FgT=FgT)
-
-
-# =====================================================================================================
-# string law (CONTRACTS.md): composite Kelvin-Voigt, pull only, gated on D > 0
-# =====================================================================================================
-class StringState(NamedTuple):
-    """Per composite string: length L (B, S) m, rate L' m/s, rest length xi0 m, xi0' m/s, stretch D m,
-    rate D' m/s, stiffness kappa = EA/xi0 + kc N/m (the string's law, see :func:`prepare`), tension (B, S) N;
-    per segment: unit vectors e (segment vectors' layout), lengths xi (B, n_seg) m and their rates xi' m/s."""
-
-    L: torch.Tensor
-    Ldot: torch.Tensor
-    xi0: torch.Tensor
-    xi0dot: torch.Tensor
-    D: torch.Tensor
-    Ddot: torch.Tensor
-    kappa: torch.Tensor
-    tension: torch.Tensor
-    e: torch.Tensor
-    xi: torch.Tensor
-    xidot: torch.Tensor
-
-
 def _act(Y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Y (.., S, A) times x (.., A) -> (.., S)."""
     if Y.dim() == 2:
@@ -215,149 +65,102 @@ def _act(Y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (x.unsqueeze(-2) @ Y.mT).squeeze(-2)
 
 
+class BatchFirst(laws.Layout):
+    """The reference layout (batch first): matrix multiplies and LAPACK (``fused``: gathers and elementwise
+    products instead; ``solver``: the bar matrix's inverse, see :func:`spd_inverse`). Use :meth:`of`."""
+
+    ent = -1
+
+    def __init__(self, fused: bool = False, solver: str = "lapack"):
+        self.fused, self.solver = fused, solver
+
+    @staticmethod
+    def of(opts: Options) -> "BatchFirst":
+        return _layout(opts.fused, opts.solver)
+
+    def mul(self, X, c, name):
+        return rmul(X, getattr(c, name), getattr(c, name + "_i"), getattr(c, name + "_w"), self.fused)
+
+    def dense(self, X, M):
+        return rmul(X, M, fused=self.fused)
+
+    def motor(self, Y, x):
+        return _act(Y, x)
+
+    def norm(self, s):
+        return super().norm(s) if self.fused else torch.linalg.vector_norm(s, dim=-2)
+
+    def gram(self, a, b):
+        if self.fused:
+            return (a.unsqueeze(-1) * b.unsqueeze(-2)).sum(-3)
+        return a.mT @ b
+
+    def matvec(self, M, x):
+        if self.fused:
+            return (M * x.unsqueeze(-2)).sum(-1)
+        return (M @ x.unsqueeze(-1)).squeeze(-1)
+
+    def inverse(self, A):
+        return spd_inverse(A, self.solver)
+
+    def cholesky(self, K):
+        return torch.linalg.cholesky(K)
+
+    def chol_solve(self, L, r, n=None):
+        if n is not None:
+            L = L[..., :n, :n]
+        return torch.cholesky_solve(r.unsqueeze(-1), L).squeeze(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(fused: bool = False, solver: str = "lapack") -> BatchFirst:
+    return BatchFirst(fused, solver)
+
+
+REFERENCE = _layout()
+
+
+def _solver(L: BatchFirst, Ainv: Optional[torch.Tensor]):
+    return None if Ainv is None else (lambda r: L.matvec(Ainv, r))
+
+
+# ---- reference-layout entry points (the equations are :mod:`.laws`') -------------------------------
 def rest_lengths(der: Derived, u: Optional[torch.Tensor], udot: Optional[torch.Tensor]):
-    """xi0 = xi00 + Y (u - z) (.., S) m and xi0' = Y u' m/s (zeros when udot is None)."""
-    xi0 = der.xi00
-    xi0dot = None
-    if u is not None and der.Y.shape[-1] > 0:
-        xi0 = xi0 + _act(der.Y, u - der.z)
-        if udot is not None:
-            xi0dot = _act(der.Y, udot)
-    return xi0, xi0dot
-
-
-def string_law(G: torch.Tensor, s: torch.Tensor, sdot: torch.Tensor, der: Derived, u: Optional[torch.Tensor],
-               udot: Optional[torch.Tensor], coord_dim: int = -2, G_gather=None) -> StringState:
-    """Composite string tensions from segment vectors.
-
-    G: (n_seg, S) simple-to-composite map. s: segment vectors (second minus first node), m, either
-    (B, 3, n_seg) (``coord_dim=-2``, internal layout) or (B, n_seg, 3) (``coord_dim=-1``). sdot: their rates,
-    m/s. u: (B, A) motor angles, rad; udot: (B, A) rad/s (or None). G_gather: (idx, w) gather form of G
-    (fused products, see :func:`rmul`).
-    """
-    if G_gather is None:
-        xi = torch.linalg.vector_norm(s, dim=coord_dim)             # (B, ns)
-    else:
-        xi = torch.sqrt((s * s).sum(coord_dim))
-    e = s / xi.unsqueeze(coord_dim)
-    xidot = (e * sdot).sum(coord_dim)
-    fused = G_gather is not None
-    gi, gw = G_gather if fused else (None, None)
-    L = rmul(xi, G, gi, gw, fused)                                  # (B, S)
-    Ldot = rmul(xidot, G, gi, gw, fused)
-    xi0, xi0dot = rest_lengths(der, u, udot)
-    D = L - xi0
-    Ddot = Ldot if xi0dot is None else Ldot - xi0dot
-    kappa = der.EA / xi0 + der.kc                                   # cord: EA/xi0 (kc = 0); spring: kc (EA = 0)
-    tension = torch.where(D > 0, torch.relu(kappa * D + der.zeta * Ddot), torch.zeros_like(D))
-    return StringState(L, Ldot, xi0, torch.zeros_like(xi0) if xi0dot is None else xi0dot, D, Ddot, kappa,
-                       tension, e, xi, xidot)
-
-
-# =====================================================================================================
-# dynamics (internal layout: Q, V (B, 3, n_free))
-# =====================================================================================================
-class Options(NamedTuple):
-    """Solver options. baumgarte: (alpha 1/s, beta 1/s) constraint stabilisation in the multiplier equation;
-    projection_iters: Gauss-Newton position projections after each step (0: off; velocities are projected
-    whenever positions are); solver: 'lapack' | 'unrolled' (see :func:`spd_inverse`); fused: write every
-    product as gathers/elementwise ops (see :func:`rmul`; the compiled paths use it)."""
-
-    baumgarte: Tuple[float, float] = (0.0, 0.0)
-    projection_iters: int = 2
-    solver: str = "lapack"
-    fused: bool = False
+    """xi0 = xi00 + Y (u - z) (.., S) m and xi0' = Y u' m/s (None when udot is None); batch first."""
+    return laws.rest_lengths(REFERENCE, der, u, udot)
 
 
 def generalized_forces(c: NodalConstants, der: Derived, Q, V, u, udot, fext, fused: bool = False,
                        with_strings: bool = False):
     """F_q^T (B, 3, n_free) N: strings + gravity + external (``fext`` already reduced, (B, 3, n_free)).
     ``with_strings``: also return the :class:`StringState` (segment unit vectors in (B, 3, n_seg))."""
-    s = rmul(Q, c.Cst, c.Cst_i, c.Cst_w, fused) + c.scT
-    sdot = rmul(V, c.Cst, c.Cst_i, c.Cst_w, fused)
-    st = string_law(c.G, s, sdot, der, u, udot, G_gather=(c.G_i, c.G_w) if fused else None)
-    seg_t = rmul(st.tension, c.Gt, c.Gt_i, c.Gt_w, fused)          # (B, ns)
-    F = der.FgT - rmul(seg_t.unsqueeze(-2) * st.e, c.Cs_q, c.Cs_q_i, c.Cs_q_w, fused)
-    if fext is not None:
-        F = F + fext
-    return (F, st) if with_strings else F
-
-
-def _bars(c: NodalConstants, Q, fused: bool):
-    return rmul(Q, c.Cbt, c.Cbt_i, c.Cbt_w, fused)
-
-
-def _bar_matrix(der: Derived, d, fused: bool):
-    """A = G * (D D^T): (B, nba, nba) from bar vectors d (B, 3, nba)."""
-    if fused:
-        return der.Gc * (d.unsqueeze(-1) * d.unsqueeze(-2)).sum(-3)
-    return der.Gc * (d.mT @ d)
-
-
-def _solve(Ainv, r, fused: bool):
-    """A^-1 r: (B, nba, nba) x (B, nba) -> (B, 1, nba)."""
-    if fused:
-        return (Ainv * r.unsqueeze(-2)).sum(-1).unsqueeze(-2)
-    return (Ainv @ r.unsqueeze(-1)).mT
-
-
-class Constrained(NamedTuple):
-    """The constrained acceleration Q'' = a0 + M_q^-1 (C_b T)^T (lambda * d) and what it was built from:
-    a, a0 (B, 3, n_free) m/s^2; d, dd (B, 3, nba) bar vectors m and rates m/s; Ainv (B, nba, nba);
-    lam (B, nba) bar force densities (None without bars)."""
-
-    a: torch.Tensor
-    a0: torch.Tensor
-    d: Optional[torch.Tensor]
-    dd: Optional[torch.Tensor]
-    Ainv: Optional[torch.Tensor]
-    lam: Optional[torch.Tensor]
+    return laws.generalized_forces(_layout(fused), c, der, Q, V, u, udot, fext, with_strings)
 
 
 def constrained_accelerations(c: NodalConstants, der: Derived, Q, V, F, opts: Options) -> Constrained:
     """Q'' from the generalised forces F (B, 3, n_free) with the bar-length multipliers solved exactly."""
-    fused = opts.fused
-    a0 = rmul(F, der.Minv, fused=fused)
-    if c.Cb_q.shape[0] == 0:
-        return Constrained(a0, a0, None, None, None, None)
-    d = _bars(c, Q, fused) + c.dcT                                  # (B, 3, nba)
-    dd = _bars(c, V, fused)
-    rhs = -(dd * dd).sum(-2) - (d * _bars(c, a0, fused)).sum(-2)   # (B, nba)
-    alpha, beta = opts.baumgarte
-    if alpha or beta:
-        g = 0.5 * ((d * d).sum(-2) - c.l2)
-        rhs = rhs - 2.0 * alpha * (d * dd).sum(-2) - beta * beta * g
-    Ainv = spd_inverse(_bar_matrix(der, d, fused), opts.solver)
-    lam = _solve(Ainv, rhs, fused)                                  # (B, 1, nba)
-    return Constrained(a0 + rmul(lam * d, der.Pt, fused=fused), a0, d, dd, Ainv, lam.squeeze(-2))
+    return laws.constrained_accelerations(BatchFirst.of(opts), c, der, Q, V, F, opts)
 
 
 def accelerations(c: NodalConstants, der: Derived, Q, V, u, udot, fext, opts: Options):
     """Q'' (B, 3, n_free) m/s^2 and A^-1 (B, nba, nba) at the reduced state Q (m), V (m/s)."""
-    F = generalized_forces(c, der, Q, V, u, udot, fext, opts.fused)
-    out = constrained_accelerations(c, der, Q, V, F, opts)
-    return out.a, out.Ainv
+    return laws.accelerations(BatchFirst.of(opts), c, der, Q, V, u, udot, fext, opts)
 
 
 def project_positions_once(c: NodalConstants, der: Derived, Q, Ainv, fused: bool = False,
                            with_multiplier: bool = False):
     """One mass-weighted Gauss-Newton step of Q towards |d_b| = l_b with the (chord) matrix A^-1.
     ``with_multiplier``: also the bar vectors d (B, 3, nba) it was taken at and y = A^-1 g (B, nba)."""
-    d = _bars(c, Q, fused) + c.dcT
-    g = 0.5 * ((d * d).sum(-2) - c.l2)
-    y = _solve(Ainv, g, fused)
-    Q = Q - rmul(y * d, der.Pt, fused=fused)
-    return (Q, d, y.squeeze(-2)) if with_multiplier else Q
+    L = _layout(fused)
+    return laws.project_positions_once(L, c, der, Q, _solver(L, Ainv), with_multiplier)
 
 
 def project_velocities(c: NodalConstants, der: Derived, Q, V, Ainv, fused: bool = False,
                        with_multiplier: bool = False):
     """V projected onto d_b . d_b' = 0 at the positions Q (mass-weighted, chord matrix A^-1).
     ``with_multiplier``: also the bar vectors d (B, 3, nba) at Q and nu = A^-1 (d . d') (B, nba)."""
-    d = _bars(c, Q, fused) + c.dcT
-    nu = _solve(Ainv, (d * _bars(c, V, fused)).sum(-2), fused)
-    V = V - rmul(nu * d, der.Pt, fused=fused)
-    return (V, d, nu.squeeze(-2)) if with_multiplier else V
+    L = _layout(fused)
+    return laws.project_velocities(L, c, der, Q, V, _solver(L, Ainv), with_multiplier)
 
 
 def chord_matrix_inverse(c: NodalConstants, der: Derived, Q) -> Optional[torch.Tensor]:
@@ -365,78 +168,20 @@ def chord_matrix_inverse(c: NodalConstants, der: Derived, Q) -> Optional[torch.T
     (None without bars)."""
     if c.Cb_q.shape[0] == 0:
         return None
-    d = Q @ c.Cbt + c.dcT
-    return spd_inverse(der.Gc * (d.mT @ d), "lapack")
+    return REFERENCE.inverse(laws.chord_matrix(REFERENCE, der, laws.bar_vectors(REFERENCE, c, Q)))
 
 
 def project(c: NodalConstants, der: Derived, Q, V, Ainv, iters: int, fused: bool = False):
-    """Mass-weighted projection of Q (positions) onto |d_b| = l_b and of V onto d_b . d_b' = 0.
-
-    Gauss-Newton with the (chord) matrix A^-1 (B, nba, nba) of the step: each iteration reduces the error
-    by ~|d'| dt / l (~1e-3); two iterations bring it to round-off.
-    """
-    if iters <= 0 or Ainv is None:
-        return Q, V
-    for _ in range(iters):
-        Q = project_positions_once(c, der, Q, Ainv, fused)
-    return Q, project_velocities(c, der, Q, V, Ainv, fused)
-
-
-def implicit_step(c: NodalConstants, der: Derived, Q, V, u, udot, fext, h: float, opts: Options):
-    """Semi-implicit Euler with the string damping taken implicitly (linearised, like MuJoCo's implicitfast).
-
-    With g_c = dL_c/dQ (B, S, 3, n_free) and the strings pulling at the start of the step (a_c = 1):
-        (M + h sum_c a_c zeta_c g_c g_c^T) dV = h F(Q, V) + J^T mu,   J V1 = d.d' - h |d'|^2 (per bar),
-    solved as one SPD system for the bar impulses mu and the scaled damping impulses nu (w = h zeta a):
-        [[J M^-1 J^T, J M^-1 G w^1/2], [., I + w^1/2 G^T M^-1 G w^1/2]] [mu; nu] = [t - J V*; -w^1/2 G^T dV0]
-    then V1 = V + dV0 + M^-1 (J^T mu + G w^1/2 nu), Q1 = Q + h V1. Stable for any damping at the step size
-    where the undamped system is (the explicit integrators need h zeta / m_node < ~2).
-    Returns (Q1, V1, A^-1) with A = J M^-1 J^T for the projection.
-    """
-    F, st = generalized_forces(c, der, Q, V, u, udot, fext, with_strings=True)
-    dV0 = h * (F @ der.Minv)
-    # dL_c/dQ: (B, S, 3, n_free)
-    g = (c.Gt.unsqueeze(-2) * st.e.unsqueeze(-3)) @ c.Cs_q
-    sw = torch.sqrt(h * der.zeta * (st.tension > 0).to(Q.dtype))    # (B, S)
-    gw = g * sw.unsqueeze(-1).unsqueeze(-1)
-    Mgw = gw @ (der.Minv if der.Minv.dim() == 2 else der.Minv.unsqueeze(-3))  # M^-1 G w^1/2 (B, S, 3, nf)
-    nc = gw.shape[-3]
-    C = torch.eye(nc, dtype=Q.dtype, device=Q.device) + torch.einsum("...cki,...dki->...cd", gw, Mgw)
-    r2 = -torch.einsum("...cki,...ki->...c", gw, dV0)
-    Vs = V + dV0
-    if c.Cb_q.shape[0] == 0:
-        nu = torch.linalg.solve(C, r2.unsqueeze(-1)).squeeze(-1)
-        V1 = Vs + torch.einsum("...c,...cki->...ki", nu, Mgw)
-        return Q + h * V1, V1, None
-    d = Q @ c.Cbt + c.dcT                                           # (B, 3, nb)
-    dd = V @ c.Cbt
-    A = der.Gc * (d.mT @ d)
-    target = (d * dd).sum(-2) - h * (dd * dd).sum(-2)
-    alpha, beta = opts.baumgarte
-    if alpha or beta:
-        g0 = 0.5 * ((d * d).sum(-2) - c.l2)
-        target = target - h * (2.0 * alpha * (d * dd).sum(-2) + beta * beta * g0)
-    r1 = target - (d * (Vs @ c.Cbt)).sum(-2)
-    # J M^-1 G w^1/2: (B, nb, S);  (J M^-1)_b = d_b (x) Pt_b
-    Pw = torch.einsum("...kb,...bi,...cki->...bc", d, der.Pt, gw)
-    K = torch.cat((torch.cat((A, Pw), -1), torch.cat((Pw.mT, C), -1)), -2)
-    L = torch.linalg.cholesky(K)
-    sol = torch.cholesky_solve(torch.cat((r1, r2), -1).unsqueeze(-1), L).squeeze(-1)
-    nb = A.shape[-1]
-    mu, nu = sol[..., :nb], sol[..., nb:]
-    V1 = Vs + (mu.unsqueeze(-2) * d) @ der.Pt + torch.einsum("...c,...cki->...ki", nu, Mgw)
-    return Q + h * V1, V1, torch.cholesky_inverse(L[..., :nb, :nb])
+    """:func:`.laws.project` with the chord matrix A^-1 (B, nba, nba) of the step (None: no bars)."""
+    L = _layout(fused)
+    return laws.project(L, c, der, Q, V, _solver(L, Ainv), iters)
 
 
 def step_reduced(c: NodalConstants, der: Derived, Q, V, u, udot, fext, dt: float, integrator: str,
                  opts: Options):
-    """One step in reduced coordinates: (Q, V) (B, 3, n_free) -> (Q', V'). Inputs held over the step."""
-    if integrator == "implicit":
-        Q1, V1, Ainv = implicit_step(c, der, Q, V, u, udot, fext, dt, opts)
-    else:
-        integrate = integrators.get(integrator)
-        Q1, V1, Ainv = integrate(Q, V, lambda q, v: accelerations(c, der, q, v, u, udot, fext, opts), dt)
-    return project(c, der, Q1, V1, Ainv, opts.projection_iters, opts.fused)
+    """One step in reduced coordinates: (Q, V) (B, 3, n_free) -> (Q', V'). Inputs held over the step
+    (:func:`.laws.step`; ``implicit``: :func:`.laws.implicit_step`)."""
+    return laws.step(BatchFirst.of(opts), c, der, Q, V, u, udot, fext, dt, integrator, opts)
 
 
 INTEGRATORS = integrators.INTEGRATORS
@@ -533,7 +278,8 @@ def full_string_state(c: NodalConstants, params: Params, positions, velocities, 
     i, j = c.seg_nodes[:, 0], c.seg_nodes[:, 1]
     s = positions[..., j, :] - positions[..., i, :]
     sd = velocities[..., j, :] - velocities[..., i, :]
-    return string_law(c.G, s, sd, der, motor_angles, motor_velocities, coord_dim=-1)
+    st = laws.string_law(REFERENCE, c, s.mT, sd.mT, der, motor_angles, motor_velocities)
+    return st._replace(e=st.e.mT)                                   # segment unit vectors (B, n_seg, 3)
 
 
 def energy(c: NodalConstants, params: Params, state: State, motor_angles=None) -> torch.Tensor:
@@ -592,9 +338,10 @@ def string_unit_forces(topology_or_constants, positions: torch.Tensor, velocitie
     # unit-tension nodal force of each composite string: F_n = -sum_s G_sc (C_s)_sn e_s   (B, S, N, 3)
     pattern = -torch.einsum("sc,sn,...sk->...cnk", c.G, Cs, st.e)
     gate = active.to(positions.dtype)
-    # kappa per unit stiffness parameter: xi00/xi0 for cord strings, 1 for spring strings (exactly the former
-    # xi00/xi0 for cord strings: the masks are 1.0/0.0)
-    kscale = params.rest_length * c.cord / st.xi0 + c.spring
+    # kappa per unit stiffness parameter (the string law at k = 1): xi00/xi0 for cord strings, 1 for spring
+    # strings (exactly the former xi00/xi0 for cord strings: the masks are 1.0/0.0)
+    kscale = laws.string_stiffness(*laws.split_stiffness(c, torch.ones_like(params.stiffness), params.rest_length),
+                                   st.xi0)
     A = (gate * kscale * st.D).unsqueeze(-1).unsqueeze(-1) * pattern
     B = (gate * st.Ddot).unsqueeze(-1).unsqueeze(-1) * pattern
     grav = c.W.unsqueeze(-1) * c.gravity                            # (N, nb, 3)
@@ -649,8 +396,7 @@ class NodalEngine:
             return
         der = prepare(c, self.default_params().map(lambda t: t.double()))
         Q = reduce(c, torch.as_tensor(self.topology.X0, dtype=torch.float64, device=c.T.device).unsqueeze(0))
-        d = Q @ c.Cbt + c.dcT
-        A = der.Gc * (d.mT @ d)
+        A = laws.chord_matrix(REFERENCE, der, laws.bar_vectors(REFERENCE, c, Q))
         ev = torch.linalg.eigvalsh(A[0])
         if ev.min() <= 1e-10 * ev.max():
             raise ValueError(f"structure {self.structure.name!r}: the bar-length constraints are redundant "
