@@ -8,7 +8,7 @@ constant over the step (zero-order hold, like MuJoCo's ctrl).
 * ``rk4``: classical 4th-order Runge-Kutta on (x, v).
 * ``implicit`` (nodal engine only): semi-implicit Euler with the string damping linearly implicit (like
   MuJoCo's ``implicitfast``), for heavily damped strings on light bars; see
-  :func:`tensegrity_ros.engine.nodal.implicit_step`. It needs the engine's structure, so :func:`get` has no
+  :func:`tensegrity_ros.engine.laws.implicit_step`. It needs the engine's structure, so :func:`get` has no
   generic version of it.
 
 Both return (x1, v1, aux) where ``aux`` is what ``accel`` returned at the start of the step.
@@ -69,5 +69,5 @@ def get(name: str) -> Callable:
     if name == "rk4":
         return rk4
     if name == "implicit":
-        raise ValueError("the 'implicit' integrator is specific to the nodal engine (nodal.implicit_step)")
+        raise ValueError("the 'implicit' integrator is specific to the nodal engine (laws.implicit_step)")
     raise ValueError(f"unknown integrator {name!r} (valid: {', '.join(INTEGRATORS)})")

@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import integrators, laws
+from . import fast, integrators, laws
 from ._common import convert_like, spd_inverse, unsqueeze_batch
 from .laws import (Constrained, Derived, NodalConstants, Options, StringState, prepare,  # noqa: F401 (re-exported)
                    reduced_mass_matrix)
@@ -78,8 +78,13 @@ class BatchFirst(laws.Layout):
     def of(opts: Options) -> "BatchFirst":
         return _layout(opts.fused, opts.solver)
 
+    def const(self, t):
+        return t                                                    # batch-free constants broadcast as they are
+
     def mul(self, X, c, name):
-        return rmul(X, getattr(c, name), getattr(c, name + "_i"), getattr(c, name + "_w"), self.fused)
+        if not self.fused:
+            return X @ getattr(c, name)
+        return rmul(X, None, getattr(c, name + "_i"), getattr(c, name + "_w"), True)
 
     def dense(self, X, M):
         return rmul(X, M, fused=self.fused)
@@ -442,7 +447,6 @@ class NodalEngine:
         """
         if not compile:
             return rollout(self.constants, params, state0, inputs, dt, self.integrator, self.options, steps)
-        from . import fast
         ref = state0.positions
         c, params, inputs = (convert_like(x, ref) for x in (self.constants, params, inputs))
         n = _horizon(inputs, steps)
