@@ -20,7 +20,7 @@ from tensegrity_ros.cli import main
 from tensegrity_ros.engine import Inputs, make_engine
 from tensegrity_ros.model import load_structure
 from tensegrity_ros.validation import independent as I
-from tensegrity_ros.validation.scoring import score
+from tensegrity_ros.validation.scoring import COVERAGE_TARGET, TARGETS, score
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 pytest.importorskip("mujoco")
@@ -32,9 +32,10 @@ LAB_PRIOR = "stiffness=0.2,damping=0.2,mass=0.02,rest_length=0.002"
 
 @pytest.fixture(scope="module")
 def lab_recording(tmp_path_factory):
-    """12 s of the 4-bar prism (the smallest suite structure), recorded the way a lab records."""
-    out = tmp_path_factory.mktemp("prism4")
-    info = I.record(I.load_suite_structure("prism4_fixed"), out, seed=0, duration_s=12.0)
+    """12 s of the two-stage tower (20 strings, 6 bars, a composite actuated string), recorded the way a lab
+    records, with the suite's identification drive."""
+    out = tmp_path_factory.mktemp("tower2")
+    info = I.record(I.load_suite_structure("tower2_prism3"), out, seed=0, duration_s=12.0)
     return out, info
 
 
@@ -65,7 +66,7 @@ def test_recorder_writes_a_bag_with_a_labs_habits(lab_recording):
     ticks = rec.motor_angles / (2 * math.pi / I.TICKS_PER_REV)
     assert np.allclose(ticks, np.round(ticks), atol=1e-6)
     zero = np.array([a.zero_offset for a in nominal.actuators])
-    assert np.all(np.abs(zero) > 0.5) and np.allclose(rec.motor_angles[0], zero, atol=2 * math.pi / 4096)
+    assert np.all(np.abs(zero) > 0.3) and np.allclose(rec.motor_angles[0], zero, atol=2 * math.pi / 4096)
     # markers: unlabelled, 5 % occluded, 1 mm noise, in a Y-up yawed frame
     n = len(nominal.nodes)
     sizes = np.array([len(m) for m in rec.markers])
@@ -113,10 +114,11 @@ def test_engine_agrees_with_the_independent_model(name):
     """Noise off, the engine's law matching: a 1-s engine rollout from the true parameters follows the independent
     MuJoCo recording to well under a millimetre (measured 0.01-0.02 mm RMS, 0.03-0.06 mm max); the same rollout
     with the actuated strings' law swapped (cord <-> spring) is 14-35x further off (0.29-0.50 mm RMS), so the
-    check sees the law."""
+    check sees the law. The slow families only: the suite's fast one makes the capsule bars' extra inertia
+    visible (up to 0.8 mm), a difference on purpose, not the law under test."""
     nominal = I.load_suite_structure(name)
     truth = I.draw_truth(nominal, seed=0)
-    drive = I.suite_drive(nominal, 4.0)
+    drive = I.suite_drive(nominal, 4.0, periods_s=(1.9, 0.7), weights=(1.0, 0.4))
     traj = I.simulate(truth, drive, 2.6)
     k0, n = int(1.5 * I.SAMPLE_HZ), int(I.SAMPLE_HZ)
     assert 1e3 * np.abs(traj.positions[k0:k0 + n] - traj.positions[k0]).max() > 10     # it does move (cm)
@@ -135,7 +137,7 @@ def test_engine_agrees_with_the_independent_model(name):
 @pytest.fixture(scope="module")
 def identified(lab_recording, tmp_path_factory):
     """`tensegrity identify` as a lab runs it (its rough mocap guess, --estimate-delay, its prior; one worker) on
-    the prism recording: (score against the truth, identify's console output)."""
+    the tower recording: (score against the truth, identify's console output, exit code)."""
     out, _ = lab_recording
     params = tmp_path_factory.mktemp("identified") / "identified.yaml"
     buf = io.StringIO()
@@ -143,34 +145,55 @@ def identified(lab_recording, tmp_path_factory):
         rc = main(["identify", str(out / "bag"), "--model", str(out / "nominal.yaml"), "--mocap-frame",
                    str(out / "mocap_guess.yaml"), "--out", str(params), "--noise-mm", "1", "--estimate-delay",
                    "--prior-std", LAB_PRIOR, "--workers", "1"])
-    assert rc == 0, buf.getvalue()[-2000:]
+    assert params.exists(), buf.getvalue()[-2000:]
     s = score(load_structure(out / "truth.yaml"), load_structure(out / "nominal.yaml"), load_structure(params))
-    print({k: (round(v["median"], 5), round(v["nominal_median"], 5)) for k, v in s["kinds"].items()},
+    print({k: (round(v["median"], 5), round(v["nominal_median"], 5), v["z_rms"]) for k, v in s["kinds"].items()},
           s["inside_2sigma"])
-    return s, buf.getvalue()
+    return s, buf.getvalue(), rc
 
 
-def test_identify_on_a_labs_recording_of_the_prism(identified):
-    """What identify reliably does today on 12 s of the 4-bar prism with the right string law (measured, 4 runs
-    with 2-3 drives: stiffness 12.9-16.5 % against the nominal's 25 %, rest lengths 1.1-1.3 mm against 2 mm,
-    96-100 % inside +-2 sigma, delay 12.1-12.4 ms against 12): it labels the shuffled markers in the yawed Y-up
-    frame, finds the delay, moves the stiffnesses and rest lengths closer to the truth than the nominal, and
-    reports sigmas that hold the truth for >= 90 % of the parameters."""
-    s, text = identified
+def test_identify_meets_item_6s_targets_on_a_labs_recording_of_the_tower(identified):
+    """Issue 17 item 6 on 12 s of the tower, as a lab runs identify (measured 2026-11-26, bench_generality: stiffness
+    2.1 %, damping 12.6 %, mass 0.5 %, rest length 0.20 mm against the nominal's 16.7 %, 25 %, 2 %, 2 mm; 97 % of
+    66 truths inside +-2 sigma, z RMS 0.64-1.13 per kind; delay 12.4 ms against 12): it labels the shuffled
+    markers in the yawed Y-up frame, finds the delay, moves every kind closer to the truth than the nominal (by a
+    10 % margin, so that a kind left at its prior cannot pass by rounding), meets every target, and reports sigmas
+    that hold the truth (>= 90 % inside +-2 sigma, z RMS per kind in [0.5, 2]); the model check passes and
+    identify exits 0."""
+    s, text, rc = identified
+    assert rc == 0 and "MODEL MISMATCH" not in text, text[-2000:]
     delay = [ln for ln in text.splitlines() if ln.strip().startswith("delay_s")]
     assert delay and abs(float(delay[0].split()[1]) - I.LabHabits().mocap_latency_s) < 0.003
-    for kind in ("stiffness", "rest_length"):
-        assert s["kinds"][kind]["better_than_nominal"], (kind, s["kinds"][kind])
-    assert s["kinds"]["stiffness"]["median"] < 0.75 * s["kinds"]["stiffness"]["nominal_median"]
-    assert s["kinds"]["rest_length"]["median"] < 0.75 * s["kinds"]["rest_length"]["nominal_median"]
-    assert s["inside_2sigma"] >= 0.9
+    for kind, k in s["kinds"].items():
+        assert k["median"] < 0.9 * k["nominal_median"], (kind, k)
+        assert k["median"] < TARGETS[kind], (kind, k["median"], TARGETS[kind])
+        assert 0.5 <= k["z_rms"] <= 2.0, (kind, k["z_rms"])
+    assert s["inside_2sigma"] >= COVERAGE_TARGET
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 6, measured 2026-11-25: damping (16.7 %) and masses (2.0 %) "
-                                       "end where the nominal put them; remove this mark when every kind improves")
-def test_identify_improves_every_kind_over_the_nominal(identified):
-    """Every kind's median error at least 10 % below the nominal's (a margin, so that a parameter the data leave at
-    its prior, with a median equal to the nominal's to 4 digits, neither passes nor flips with rounding)."""
-    s, _ = identified
-    assert all(v["median"] < 0.9 * v["nominal_median"] for v in s["kinds"].values()), \
-        {k: (v["median"], v["nominal_median"]) for k, v in s["kinds"].items()}
+def test_a_wrong_model_is_flagged_on_a_labs_recording(lab_recording, identified, tmp_path):
+    """Issue 17 item 2 on the suite: the tower's structure file with one motor's direction flipped (a lab's
+    wiring or sign slip) is flagged as a model mismatch, and the right file is not (the fixture above). One
+    short fit is enough to see it (13 s), and `identify` exits 3 (degraded), having written its file. Measured
+    2026-11-26 on the prism with the full default ladder: the flipped file left a structured residual (lag-1
+    +0.41, 0.81 mm structured, ratio 1.29), the right one ratio 1.04, lag-1 +0.10. The actuated strings' law
+    swapped is NOT flagged on the suite (ratio 1.00-1.06): with 1-2 mm rest-length moves the two laws differ by
+    less than the fit absorbs (README, identification)."""
+    out, _ = lab_recording
+    _, right_text, right_rc = identified
+    assert "MODEL MISMATCH" not in right_text and right_rc == 0
+    nominal = load_structure(out / "nominal.yaml")
+    a0 = nominal.actuators[0]
+    wrong = dataclasses.replace(nominal, actuators=(dataclasses.replace(a0, direction=-a0.direction),)
+                                + tuple(nominal.actuators[1:]))
+    from tensegrity_ros.model import dump_structure
+    dump_structure(wrong, tmp_path / "wrong.yaml")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["identify", str(out / "bag"), "--model", str(tmp_path / "wrong.yaml"), "--mocap-frame",
+                   str(out / "mocap_guess.yaml"), "--out", str(tmp_path / "p.yaml"), "--noise-mm", "1",
+                   "--estimate-delay", "--prior-std", LAB_PRIOR, "--workers", "1", "--longer-windows", "none",
+                   "--holdout", "0"])
+    text = buf.getvalue()
+    assert "MODEL MISMATCH" in text, [ln for ln in text.splitlines() if "model check" in ln]
+    assert rc == 3 and (tmp_path / "p.yaml").exists(), text[-2000:]     # degraded, but nothing lost
