@@ -146,12 +146,20 @@ _COMPILED = {}
 
 
 def compiled(name: str):
-    """The torch.compile'd version of :func:`steps` (memoised; dynamo guards on shapes, dtype and K)."""
+    """The torch.compile'd version of :func:`steps` (memoised; dynamo guards on shapes, dtype and K).
+
+    Guards on globals are left out (``skip_guard_on_globals_unsafe``): the graph reads no global data, only
+    the engine's module-level functions, classes and :data:`LAYOUT`, which never change at run time, and
+    checking their identity on every call cost ~5 % of a batch-1 step (measured on the icosahedron). Every
+    guard on the arguments (tensor shapes, dtypes and aliasing, options, integrator, K) and on the global
+    torch state (grad mode, default dtype, threads) stays.
+    """
     fn = _COMPILED.get(name)
     if fn is None:
         from ._common import setup_compile
         setup_compile()
-        fn = torch.compile({"steps": steps}[name], dynamic=False)
+        fn = torch.compile({"steps": steps}[name], dynamic=False,
+                           options={"guard_filter_fn": torch.compiler.skip_guard_on_globals_unsafe})
         _COMPILED[name] = fn
     return fn
 
