@@ -10,11 +10,11 @@ What is shared with the reference (:mod:`.nodal`), and defined once in :mod:`.la
 constants (:class:`.laws.NodalConstants`), the per-params quantities (one :func:`.laws.prepare`, moved batch
 last by :meth:`.laws.Derived.batch_last`), the string law (rest lengths from the actuators, cord/spring
 stiffness, damping, the tension-only clamp), the generalised forces, the bar-constraint multipliers with
-Baumgarte terms, the projection, the implicit step and the step itself. This module adds only the layout
-(:class:`BatchLast`): the gather products, and SPD solvers unrolled into elementwise updates over the batch
-(Gauss-Jordan for the bar matrix, a left-looking Cholesky for the implicit step), because a LAPACK call per
-batch item does not fuse into inductor's loops; plus the layout conversions and the chunked, compiled
-rollout driver.
+Baumgarte terms, the projection, the implicit step and the step loop (:func:`.laws.steps`). This module
+adds only the layout (:class:`BatchLast`): the gather products, and SPD solvers unrolled into elementwise
+updates over the batch (Gauss-Jordan for the bar matrix, a left-looking Cholesky for the implicit step),
+because a LAPACK call per batch item does not fuse into inductor's loops; plus the layout conversions and
+the chunked, compiled rollout driver.
 
 Used by ``NodalEngine.rollout(..., compile=True)`` and ``NodalEngine.compiled_step``; tested equal to the
 reference layout (float64: 1e-12).
@@ -133,13 +133,7 @@ def steps(c: NodalConstants, der: laws.Derived, Q, V, u, udot, fext, dt: float, 
           K: int):
     """K steps (the graph torch.compile sees, one per chunk length K). u, udot: (K, A, B) or None; fext:
     (K, 3, n_free, B) or None. Returns Qs, Vs (K, 3, n_free, B)."""
-    Qs, Vs = [], []
-    for k in range(K):
-        Q, V = step(c, der, Q, V, None if u is None else u[k], None if udot is None else udot[k],
-                    None if fext is None else fext[k], dt, integrator, opts)
-        Qs.append(Q)
-        Vs.append(V)
-    return torch.stack(Qs), torch.stack(Vs)
+    return laws.steps(LAYOUT, c, der, Q, V, u, udot, fext, dt, integrator, opts, K)
 
 
 _COMPILED = {}

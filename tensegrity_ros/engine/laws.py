@@ -17,7 +17,8 @@ Shared here (one definition each):
   spring kc), the Kelvin-Voigt tension with its tension-only clamp (:func:`string_tension`) and the string
   state from segment vectors (:func:`string_law`);
 * the dynamics: generalised forces, the bar-constraint multipliers with Baumgarte terms
-  (:func:`constrained_accelerations`), the mass-weighted projection, the implicit step and the step itself.
+  (:func:`constrained_accelerations`), the mass-weighted projection, the implicit step, one step and n
+  steps (:func:`step`, :func:`steps`).
 
 Layout-specific (the :class:`Layout` methods, in :mod:`.nodal` and :mod:`.fast`): where the batch axis is,
 how a constant matrix multiplies (``mul``: a matrix multiply, or a gather over its nonzeros), products with
@@ -527,3 +528,16 @@ def step(L: Layout, c: NodalConstants, der: Derived, Q, V, u, udot, fext, dt: fl
         Q1, V1, Ainv = integrate(Q, V, lambda q, v: accelerations(L, c, der, q, v, u, udot, fext, opts), dt)
         Asolve = None if Ainv is None else (lambda r: L.matvec(Ainv, r))
     return project(L, c, der, Q1, V1, Asolve, opts.projection_iters)
+
+
+def steps(L: Layout, c: NodalConstants, der: Derived, Q, V, u, udot, fext, dt: float, integrator: str,
+          opts: Options, n: int):
+    """n steps; u, udot, fext carry a leading time axis (or are None). Returns the states after each step,
+    stacked on a leading axis: Qs, Vs (n, ...)."""
+    Qs, Vs = [], []
+    for k in range(n):
+        Q, V = step(L, c, der, Q, V, None if u is None else u[k], None if udot is None else udot[k],
+                    None if fext is None else fext[k], dt, integrator, opts)
+        Qs.append(Q)
+        Vs.append(V)
+    return torch.stack(Qs), torch.stack(Vs)

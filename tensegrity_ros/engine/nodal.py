@@ -240,13 +240,8 @@ def rollout(c: NodalConstants, params: Params, state0: State, inputs: Optional[I
     Q, V = reduce(c, state0.positions), reduce(c, state0.velocities)
     n = _horizon(inputs, steps)
     u_all, ud_all, fq_all = _inputs_reduced(c, inputs)
-    Qs, Vs = [], []
-    for t in range(n):
-        Q, V = step_reduced(c, der, Q, V, None if u_all is None else u_all[t], None if ud_all is None else ud_all[t],
-                            None if fq_all is None else fq_all[t], dt, integrator, opts)
-        Qs.append(Q)
-        Vs.append(V)
-    return State(expand(c, torch.stack(Qs)), expand_velocity(c, torch.stack(Vs)))
+    Qs, Vs = laws.steps(BatchFirst.of(opts), c, der, Q, V, u_all, ud_all, fq_all, dt, integrator, opts, n)
+    return State(expand(c, Qs), expand_velocity(c, Vs))
 
 
 def _horizon(inputs: Optional[Inputs], steps: Optional[int]) -> int:
