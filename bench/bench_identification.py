@@ -443,8 +443,8 @@ def manipulator_run(quick: bool, seed: int = 0, record: bool = True) -> Dict[str
                 "rest_length_error_mm_median": float(np.median(rest_mm)), "errors_pct": e,
                 "residual_rms_mm": res.residual_rms_m * 1e3,
                 "z_rms": float(np.sqrt(np.mean(np.square(z)))) if z else None,
-                "settings": {"windows": opts.max_windows, "window_s": opts.window_s, "max_iter": opts.max_iter,
-                             "longer_windows": [list(x) for x in longer], "stages": ["refine"], "workers": opts.workers,
+                "settings": {"windows": opts.refine.max_windows, "window_s": opts.refine.window_s, "max_iter": opts.refine.max_iter,
+                             "longer_windows": [list(x) for x in longer], "stages": ["refine"], "workers": opts.refine.workers,
                              "prior_std": prior_std},
                 "notes": res.notes[-4:]})
     if record and not quick:
