@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..health import EXIT_DEGRADED        # identified and written, but a check failed (the demo's code too)
 from . import UserError
 from ._common import (add_force_argument, atomic_output, check_output_target, finite, load_mocap_frame, load_model,
                       progress_bar)
@@ -227,10 +228,6 @@ def run(args) -> int:
               f"the model and the recording before using it")
         return EXIT_DEGRADED
     return 0
-
-
-#: identified and written, but a check failed (the demo's DEGRADED code too)
-EXIT_DEGRADED = 3
 
 
 def degraded_reasons(result):
