@@ -33,7 +33,7 @@ from tensegrity_ros.paths import REPO_ROOT  # noqa: E402
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / "build" / "torchinductor"))
 
 from tensegrity_ros.engine import Inputs, make_engine  # noqa: E402
-from tensegrity_ros.engine._common import setup_compile  # noqa: E402
+from tensegrity_ros.engine import setup_compile  # noqa: E402
 from tensegrity_ros.metrics import rms_error  # noqa: E402
 from tensegrity_ros.model import load_structure  # noqa: E402
 

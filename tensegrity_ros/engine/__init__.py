@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from ..model import Structure
+from ._common import setup_compile
 from .integrators import INTEGRATORS
 from .nodal import NodalEngine, StringUnitForces, string_unit_forces
 from .params import (KIND_NAMES, REST_LENGTH_BOUNDS, TRANSFORMS, Params, ParamsMeta, apply_to_structure,
@@ -46,7 +47,7 @@ def make_engine(structure: Structure, backend: str = "nodal", integrator: str = 
     return BACKENDS[backend].create(structure, integrator=integrator, dtype=dtype, device=device, **options)
 
 
-__all__ = ["BACKENDS", "INTEGRATORS", "Inputs", "KIND_NAMES", "NodalEngine", "Params", "ParamsMeta",
+__all__ = ["setup_compile", "BACKENDS", "INTEGRATORS", "Inputs", "KIND_NAMES", "NodalEngine", "Params", "ParamsMeta",
            "REST_LENGTH_BOUNDS", "RodState", "SpringRodEngine", "State", "StringUnitForces", "TRANSFORMS",
            "Topology", "apply_to_structure", "build_topology", "from_unconstrained", "inputs_from_angles",
            "load_params_yaml", "make_engine", "params_from_structure", "save_params_yaml", "stack_params",

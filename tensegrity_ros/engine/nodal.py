@@ -34,7 +34,7 @@ from ._common import convert_like, spd_inverse, unsqueeze_batch
 from .laws import (Constrained, Derived, NodalConstants, Options, StringState, prepare,  # noqa: F401 (re-exported)
                    reduced_mass_matrix)
 from .params import Params, params_from_structure
-from .state import Inputs, State
+from .state import Inputs, State, rollout_horizon
 from .topology import Topology, build_topology
 
 
@@ -238,24 +238,10 @@ def rollout(c: NodalConstants, params: Params, state0: State, inputs: Optional[I
     inputs = convert_like(inputs, state0.positions)
     der = prepare(c, params)
     Q, V = reduce(c, state0.positions), reduce(c, state0.velocities)
-    n = _horizon(inputs, steps)
+    n = rollout_horizon(inputs, steps)
     u_all, ud_all, fq_all = _inputs_reduced(c, inputs)
     Qs, Vs = laws.steps(BatchFirst.of(opts), c, der, Q, V, u_all, ud_all, fq_all, dt, integrator, opts, n)
     return State(expand(c, Qs), expand_velocity(c, Vs))
-
-
-def _horizon(inputs: Optional[Inputs], steps: Optional[int]) -> int:
-    lengths = set()
-    if inputs is not None:
-        for t in (inputs.motor_angles, inputs.motor_velocities, inputs.external_forces, inputs.control_forces,
-                  inputs.control_arms):
-            if t is not None:
-                lengths.add(int(t.shape[0]))
-    if steps is not None:
-        lengths.add(int(steps))
-    if len(lengths) != 1:
-        raise ValueError(f"rollout needs one horizon: inputs with a leading time axis T (or steps=T); got {lengths}")
-    return lengths.pop()
 
 
 # =====================================================================================================
@@ -444,7 +430,7 @@ class NodalEngine:
             return rollout(self.constants, params, state0, inputs, dt, self.integrator, self.options, steps)
         ref = state0.positions
         c, params, inputs = (convert_like(x, ref) for x in (self.constants, params, inputs))
-        n = _horizon(inputs, steps)
+        n = rollout_horizon(inputs, steps)
         u = ud = fe = None
         if inputs is not None:
             u, ud, fe = inputs.motor_angles, inputs.motor_velocities, inputs.external_forces

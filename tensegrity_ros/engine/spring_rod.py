@@ -27,7 +27,7 @@ from . import integrators
 from ._common import as_tensor, convert_like, register_tensor_dataclass, setup_compile
 from .nodal import Derived, rest_lengths
 from .params import Params, params_from_structure
-from .state import Inputs, RodState
+from .state import Inputs, RodState, rollout_horizon
 from .topology import Topology, build_topology
 
 INTEGRATORS = ("semi_implicit", "rk4")
@@ -402,8 +402,7 @@ class SpringRodEngine:
         """T steps (inputs with a leading T axis); returns RodStates stacked on a leading T axis.
         ``compile=True`` runs every step through :attr:`compiled_step` (``chunk`` is accepted for API symmetry
         with the nodal engine and ignored)."""
-        from .nodal import _horizon
-        n = _horizon(inputs, steps)
+        n = rollout_horizon(inputs, steps)
         stepper = self.compiled_step if compile else self.step
         out, s = [], state0
         for t in range(n):

@@ -97,3 +97,18 @@ def inputs_from_angles(motor_angles: torch.Tensor, dt: float, **other) -> Inputs
     else:
         v = torch.gradient(u, spacing=dt, dim=0, edge_order=1)[0]
     return Inputs(motor_angles=u, motor_velocities=v, **other)
+
+
+def rollout_horizon(inputs: Optional[Inputs], steps: Optional[int]) -> int:
+    """The number of steps a rollout runs: the inputs' leading time axis T, or ``steps``; they must agree."""
+    lengths = set()
+    if inputs is not None:
+        for t in (inputs.motor_angles, inputs.motor_velocities, inputs.external_forces, inputs.control_forces,
+                  inputs.control_arms):
+            if t is not None:
+                lengths.add(int(t.shape[0]))
+    if steps is not None:
+        lengths.add(int(steps))
+    if len(lengths) != 1:
+        raise ValueError(f"rollout needs one horizon: inputs with a leading time axis T (or steps=T); got {lengths}")
+    return lengths.pop()
