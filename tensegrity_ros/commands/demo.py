@@ -149,9 +149,12 @@ def status_line(graph, truth, est_names, t0_ros, elapsed, nominal_err) -> Tuple[
     errs = parameter_errors(ps.as_dict(), truth, est_names) if ps else {}
     perr = float(np.median(list(errs.values()))) if errs else math.nan
     kinds = ", ".join(f"{k} {v:.1f}%" for k, v in _by_kind(errs).items())
-    # the latest dozen (~0.6 s of kept predictions): this line runs in the graph's process every few seconds;
-    # scoring 60 it took 29 ms p50 of wall time there (measured), and the predictor's latency tail felt it
-    preds = list(mon.predictions)[-12:]
+    # the latest dozen whose 1-s horizon the ground truth already covers (the newest ones reach into the future:
+    # taking the last dozen of all printed "nan" all run long): this line runs in the graph's process every few
+    # seconds; scoring 60 it took 29 ms p50 of wall time there (measured), and the predictor's latency tail felt it
+    latest = mon.ground_truth[-1][0] if mon.ground_truth else -math.inf
+    preds = [p for p in itertools.islice(reversed(list(mon.predictions)), 400)
+             if p.times.size and p.times[-1] <= latest][:12][::-1]
     # only the ground truth these predictions can be scored on (from the first one's stamp): stacking the whole
     # run's truth every second grew with the run (quadratic) and took a tenth of the graph process by 45 s
     since = preds[0].stamp - 0.1 if preds else math.inf
