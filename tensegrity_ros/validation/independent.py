@@ -330,8 +330,8 @@ def suite_drive(structure: Structure, duration_s: float, amplitude_m: float = 0.
     sense from family to family) with 0.5-s raised-cosine ramps: a slow sway, a faster one, and a small fast one.
 
     Why the fast family: the two slow families keep the structure quasi-static (its modes are at 4-37 Hz), so the
-    recording says little about dynamics. Measured on the tower (seed 0, 12 s, identify's default ladder ending in
-    2-s windows): with the slow families alone, stiffness median error 4.6 %, masses at their 2 % prior; with the
+    recording says little about dynamics. Measured on the tower (seed 0, 12 s, identify's ladder with a further
+    4 x 2-s rung): with the slow families alone, stiffness median error 4.6 %, masses at their 2 % prior; with the
     0.23-s family (weight 0.15, 1.8 mm of rest length), stiffness 1.3 %, masses 0.5 %, rest lengths 0.14 mm.
     It also makes the capsule bars' extra inertia visible (3.7 % above the thin rod's m L^2 / 12 on the prism):
     the engine's 1-s rollout from the truth ends 0.03 / 0.4 / 0.8 mm RMS off (prism / tower / icosahedron)
