@@ -153,6 +153,34 @@ def test_bar_mass_std_in_kg_or_percent_round_trips(tmp_path):
     assert "mass_std" not in (tmp_path / "plain.yaml").read_text()
 
 
+def test_bar_inertia_round_trips_and_scales_with_an_identified_mass(tmp_path):
+    """A bar's ``inertia`` (kg m^2 about its centre, perpendicular): written back as given; absent means the thin
+    rod's m L^2 / 12; a changed mass (identification, perturbation) keeps rho = I / (m L^2)."""
+    d = _base()
+    s0 = load_structure(_write(tmp_path, d, "plain.yaml"))
+    b0 = s0.bars[0]
+    assert b0.inertia is None and s0.bar_inertia_ratio(b0) == pytest.approx(1 / 12)
+    stated = 1.1 * b0.mass * s0.bar_length(b0) ** 2 / 12
+    d["bars"][0]["inertia"] = stated
+    s = load_structure(_write(tmp_path, d, "i.yaml"))
+    assert s.bars[0].inertia == stated and s.bar_inertia_ratio(s.bars[0]) == pytest.approx(1.1 / 12)
+    dump_structure(s, tmp_path / "back.yaml")
+    assert load_structure(tmp_path / "back.yaml").bars[0].inertia == pytest.approx(stated)
+    heavier = s.bars[0].with_mass(2 * s.bars[0].mass)
+    assert heavier.inertia == pytest.approx(2 * stated)
+    assert s.bar_inertia_ratio(heavier) == pytest.approx(1.1 / 12)
+    assert "inertia" not in (tmp_path / "plain.yaml").read_text()
+
+
+@pytest.mark.parametrize("value", [0, -1e-3, "big", True, 1e3])
+def test_bad_bar_inertia_names_file_key_and_value(tmp_path, value):
+    d = _base()
+    d["bars"][1]["inertia"] = value
+    err = _error(tmp_path, d)
+    assert err.key == "bars[1].inertia"
+    assert any(why in str(err) for why in ("kg m^2", "finite number", "> 0"))
+
+
 @pytest.mark.parametrize("value", ["two", "x%", 0, -0.01, "0%", True, [0.01], float("inf")])
 def test_bad_bar_mass_std_names_file_key_and_value(tmp_path, value):
     d = _base()

@@ -346,7 +346,7 @@ def apply_to_structure(structure: Structure, params: Params,
     strings = tuple(dataclasses.replace(s, stiffness=k[i], damping=max(c[i], 0.0), rest_length=r[i])
                     for i, s in enumerate(structure.strings))
     m = vals("mass")
-    bars = tuple(dataclasses.replace(b, mass=m[i]) for i, b in enumerate(structure.bars))
+    bars = tuple(b.with_mass(m[i]) for i, b in enumerate(structure.bars))
     sr, z = vals("spool_radius"), vals("zero_offset")
     acts = tuple(dataclasses.replace(a, spool_radius=sr[i], zero_offset=z[i])
                  for i, a in enumerate(structure.actuators))

@@ -191,8 +191,10 @@ def build_topology(s: Structure) -> Topology:
     W = np.zeros((N, nb))
     for k, (i, j) in enumerate(bar_nodes):
         Cb[k, i], Cb[k, j] = -1.0, 1.0
-        E[k, i, i] = E[k, j, j] = 2.0 / 6.0
-        E[k, i, j] = E[k, j, i] = 1.0 / 6.0
+        # rho = I / (m L^2): 1/12 gives the thin rod's consistent mass matrix 1/6 [[2, 1], [1, 2]]
+        rho = s.bar_inertia_ratio(s.bars[k])
+        E[k, i, i] = E[k, j, j] = 0.25 + rho
+        E[k, i, j] = E[k, j, i] = 0.25 - rho
         W[i, k] += 0.5
         W[j, k] += 0.5
     bar_lengths = np.array([s.bar_length(b) for b in s.bars], dtype=np.float64)

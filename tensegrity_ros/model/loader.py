@@ -24,7 +24,7 @@ MIN_BAR_LENGTH_M = 1e-6
 _TOP_KEYS = {"name", "description", "notes", "gravity", "nodes", "bars", "strings", "constraints",
              "actuators", "std_devs"}
 _NODE_KEYS = {"name", "position", "fixed"}
-_BAR_KEYS = {"name", "nodes", "mass", "radius", "mass_std"}
+_BAR_KEYS = {"name", "nodes", "mass", "radius", "mass_std", "inertia"}
 _STRING_KEYS = {"name", "nodes", "stiffness", "damping", "rest_length", "actuator", "closed", "stiffness_law"}
 _ACT_KEYS = {"name", "motor_id", "spool_radius", "direction", "zero_offset", "limits", "model"}
 _CONSTRAINT_KEYS = {"coincident": {"type", "nodes"}, "midpoint": {"type", "node", "between"},
@@ -135,7 +135,16 @@ def structure_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Stru
         mass = c.number(f"{key}.mass", raw["mass"], lo=0.0, lo_open=True)
         radius = c.number(f"{key}.radius", raw.get("radius", 0.01), lo=0.0, lo_open=True)
         mass_std = _mass_std(c, f"{key}.mass_std", raw["mass_std"], mass) if raw.get("mass_std") is not None else None
-        bars.append(Bar(b, ends, mass, radius, mass_std))
+        inertia = None
+        if raw.get("inertia") is not None:
+            # rho = I / (m L^2) must be > 0 (a bar with no inertia about its centre cannot turn: singular mass
+            # matrix); above 1 the mass would sit far beyond the nodes: almost surely a unit slip (g, cm).
+            inertia = c.number(f"{key}.inertia", raw["inertia"], lo=0.0, lo_open=True)
+            if inertia > mass * length ** 2:
+                c.fail(f"{key}.inertia", raw["inertia"], f"expected kg m^2 about the bar's centre, perpendicular to "
+                       f"it, at most mass * L^2 = {mass * length ** 2:.4g} (a thin uniform rod has mass * L^2 / 12 "
+                       f"= {mass * length ** 2 / 12:.4g}; leave it out for that)")
+        bars.append(Bar(b, ends, mass, radius, mass_std, inertia))
 
     # ---- actuators (before strings, which refer to them) -------------------------------------
     actuators: List[Actuator] = []
@@ -363,7 +372,8 @@ def structure_to_dict(s: Structure, std_devs: Optional[Mapping[str, float]] = No
     out["nodes"] = [{"name": n.name, "position": [float(v) for v in n.position], **({"fixed": True} if n.fixed else {})}
                     for n in s.nodes]
     out["bars"] = [{"name": b.name, "nodes": list(b.nodes), "mass": b.mass, "radius": b.radius,
-                    **({"mass_std": b.mass_std} if b.mass_std is not None else {})} for b in s.bars]
+                    **({"mass_std": b.mass_std} if b.mass_std is not None else {}),
+                    **({"inertia": b.inertia} if b.inertia is not None else {})} for b in s.bars]
     out["strings"] = []
     for st in s.strings:
         d = {"name": st.name, "nodes": list(st.nodes), "stiffness": st.stiffness, "damping": st.damping,

@@ -22,6 +22,6 @@ def perturb_structure(structure: Structure, spread: float, seed: int = 0,
 
     strings = tuple(replace(s, **{k: getattr(s, k) * factor() for k in ("stiffness", "damping") if k in kinds})
                     for s in structure.strings)
-    bars = tuple(replace(b, mass=b.mass * factor()) if "mass" in kinds else b for b in structure.bars)
+    bars = tuple(b.with_mass(b.mass * factor()) if "mass" in kinds else b for b in structure.bars)
     note = f"Perturbed from '{structure.name}': {', '.join(kinds)} x (1 + {spread:g} N(0,1)), numpy seed {seed}."
     return replace(structure, strings=strings, bars=bars, notes=(structure.notes + "\n" + note).strip())

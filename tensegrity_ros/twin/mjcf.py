@@ -81,12 +81,13 @@ class TwinLayout:
         return next(b for b in self.bodies if b.name == name)
 
 
-def _rod_inertia(a: np.ndarray, b: np.ndarray, m: float, about: np.ndarray) -> np.ndarray:
-    """World-axes inertia tensor of a thin uniform rod a-b of mass m, about point ``about``."""
+def _rod_inertia(a: np.ndarray, b: np.ndarray, m: float, about: np.ndarray, rho: float = 1.0 / 12.0) -> np.ndarray:
+    """World-axes inertia tensor of a bar a-b of mass m (centre of mass midway, transverse inertia rho m L^2
+    about it, none about its axis; a thin uniform rod: rho = 1/12), about point ``about``."""
     d = b - a
     c = 0.5 * (a + b) - about
     eye = np.eye(3)
-    return m / 12.0 * (d @ d * eye - np.outer(d, d)) + m * (c @ c * eye - np.outer(c, c))
+    return m * rho * (d @ d * eye - np.outer(d, d)) + m * (c @ c * eye - np.outer(c, c))
 
 
 def frame_along(d: np.ndarray) -> np.ndarray:
@@ -171,13 +172,14 @@ def build_layout(s: Structure) -> TwinLayout:
             a, c = pos[b.nodes[0]], pos[b.nodes[1]]
             length = float(np.linalg.norm(c - a))
             com, rot = 0.5 * (a + c), frame_along(c - a)
-            it = b.mass * length ** 2 / 12.0
+            it = b.mass * length ** 2 * s.bar_inertia_ratio(b)
             inertia = np.diag([it, it, max(it * AXIAL_INERTIA_RATIO, 1e-12)])
             name = b.name
         else:
             com = sum(b.mass * 0.5 * (pos[b.nodes[0]] + pos[b.nodes[1]]) for b in bars) / mass
             rot = np.eye(3)
-            inertia = sum(_rod_inertia(pos[b.nodes[0]], pos[b.nodes[1]], b.mass, com) for b in bars)
+            inertia = sum(_rod_inertia(pos[b.nodes[0]], pos[b.nodes[1]], b.mass, com, s.bar_inertia_ratio(b))
+                          for b in bars)
             w = np.linalg.eigvalsh(inertia)
             if w.min() <= 1e-9 * max(w.max(), 1e-12):  # collinear cluster: add the same tiny axial value
                 inertia = inertia + np.eye(3) * max(w.max() * AXIAL_INERTIA_RATIO, 1e-12)
