@@ -10,7 +10,7 @@ The target is reachable by construction: the plate pose the twin settles to with
 * Model = truth: the plate's position error falls from 25 mm to below 10 % of that within 1.5 s, and every plan
   honours the actuator and rate limits.
 * Truth 20 % off the model (every string stiffness scaled by 1 + 0.2 N(0, 1)): with the disturbance estimate
-  the error falls (below 60 % of the start with the default ramp input model, below 30 % with the hold model,
+  the error falls (below 70 % of the start with the default ramp input model, below 30 % with the hold model,
   which is less aggressive); without it the loop chases the model's wrong drift and ends worse than it started
   (this is what the estimate is for).
 """
@@ -132,9 +132,11 @@ def test_step_to_a_reachable_pose_with_the_true_model(plant):
 
 
 # measured (40 cycles, this seed): ramp + estimate 17.4 -> 7-8 mm; hold + estimate 17.4 -> 2-3 mm; no estimate
-# 17.4 -> 35 mm. The bounds leave room for the other engineers' load on the timing-free loop (it is deterministic
-# apart from BLAS summation order).
-@pytest.mark.parametrize("input_model, disturbance, bound", [("ramp", "velocity", 0.6), ("hold", "velocity", 0.3),
+# 17.4 -> 35 mm. With the default velocity blend (measured_velocity_weight 0.2, 2026-11-26; this loop's velocities
+# are exact, the blend's prediction comes from the 20 %-off model): ramp 17.4 -> 7.7 mm, up to 10.7 mm over the last
+# 10 cycles (9.6 mm at weight 0.3, 8.7 at 0.5); hold 17.4 -> 3.1 mm. The bounds leave room for the other engineers'
+# load on the timing-free loop (it is deterministic apart from BLAS summation order).
+@pytest.mark.parametrize("input_model, disturbance, bound", [("ramp", "velocity", 0.7), ("hold", "velocity", 0.3),
                                                              ("ramp", "none", None)])
 def test_step_with_a_model_20_percent_off(plant, input_model, disturbance, bound):
     s, core, omap = plant

@@ -133,7 +133,8 @@ def test_steady_model_error_is_removed(integral_time_s, disturbance):
     At, Bt = first_order_plant(m, dt, gain=0.7)
     opts = MPCOptions(horizon_steps=N, block_steps=2, position_tol_m=0.01, node_tol_m=0.01, max_rate_rad_s=5.0,
                       input_model="hold",                        # the plant below holds each input over a step
-                      integral_time_s=integral_time_s, effort_scale_rad=0.5, disturbance=disturbance)
+                      integral_time_s=integral_time_s, effort_scale_rad=0.5, disturbance=disturbance,
+                      measured_velocity_weight=1.0)      # a first-order plant: no velocities in its state
     mpc = PlateMPC(LinearOutputMap(np.eye(m)), -np.ones(m) * 3, np.ones(m) * 3, opts)
     A, B = np.repeat(A1[None], N, 0), np.repeat(B1[None], N, 0)
     target = np.array([0.4, -0.3])
@@ -174,3 +175,29 @@ def test_stale_nonfinite_and_bad_shapes():
     assert mpc.solve(*z).status == Status.SOLVED
     with pytest.raises(ValueError, match="no room"):
         PlateMPC(LinearOutputMap(np.eye(m)), -np.ones(m), np.ones(m), MPCOptions(limit_margin_rad=2.0))
+
+
+def test_initial_velocities_blend_the_measurement_with_the_prediction():
+    """measured_velocity_weight: positions as measured, velocities w x measured + (1 - w) x the previous cycle's
+    prediction of now under its plan; as measured on the first cycle and after a hold (no prediction followed)."""
+    dt, N, w = 0.01, 10, 0.3
+    A1 = np.array([[1.0, dt], [-50.0 * dt, 1.0 - 2.0 * dt]])     # a mass on a spring: state [position, velocity]
+    B1 = np.array([[0.0], [50.0 * dt]])
+    A, B = np.repeat(A1[None], N, 0), np.repeat(B1[None], N, 0)
+    opts = MPCOptions(horizon_steps=N, block_steps=5, input_model="hold", disturbance="none",
+                      measured_velocity_weight=w)
+    mpc = PlateMPC(LinearOutputMap(np.eye(2)), [-1.0], [1.0], opts)
+    xbar, ubar, target = np.zeros((N + 1, 2)), np.zeros((N, 1)), np.array([0.1, np.nan])   # velocity not tracked
+    x0 = np.array([0.01, -0.2])
+    r1 = mpc.solve(x0, xbar, ubar, A, B, target, [0.0], dt)
+    np.testing.assert_array_equal(r1.state, x0)
+    assert abs(r1.predicted[4, 1] - x0[1]) > 0.05           # the plan moves it: the prediction differs
+    x5 = np.array([0.02, 0.4])                               # measured 5 steps later
+    r2 = mpc.solve(x5, xbar, ubar, A, B, target, r1.step_plan[4], dt, elapsed_s=5 * dt)
+    np.testing.assert_allclose(r2.state, [x5[0], w * x5[1] + (1 - w) * r1.predicted[4, 1]], rtol=0, atol=1e-12)
+    mpc.hold(r2.step_plan[4], dt, Status.STALE, "test")
+    r3 = mpc.solve(x5, xbar, ubar, A, B, target, r2.step_plan[4], dt, elapsed_s=5 * dt)
+    np.testing.assert_array_equal(r3.state, x5)
+    with pytest.raises(ValueError, match="measured_velocity_weight"):
+        MPCOptions(measured_velocity_weight=1.5)
+

@@ -27,6 +27,18 @@ block (zero-order hold, what LQR assumes). Cost, each term a sum of squares in s
 Constraints (OSQP rows, exact after a final projection): lower <= v_b <= upper (the structure's actuator
 limits, less ``limit_margin_rad``) and |v_b - v_{b-1}| <= max_rate_rad_s T_b, with T_b = block_steps dt.
 
+The initial state: positions as measured, velocities ``measured_velocity_weight`` x measured + the rest x the
+previous cycle's prediction of now under the plan it sent (``_blend_velocities``; 1 = as measured, the first
+cycle and after a hold always). The graph's node velocities come from the ingest's constant-velocity Kalman
+filter at 120 Hz (mocap/filtering.py), which lags the robot's motion (its error: ~70 % of the RMS node velocity
+on the demo's circle); taken as the state, they started every prediction from stale velocities, and with the
+graph's other delays (servo lag, frames, linearisation age) the loop limit-cycled on the rate limit
+(bench/study_control_delay.py, true model, the demo's 10-mm circle: 19.8 mm RMSE, a plan on a limit in every
+cycle; exact velocities instead: 2.2 mm). Blended: weight 0.1 / 0.2 (default) / 0.3: 0.7 / 0.5 / 0.6 mm, 0: 1.3
+mm, 0.5: 10.7 mm (the limit cycle again). The prediction is the model's and carries its error: the measured
+share keeps the state anchored. The state's second half must be velocities (the predictor's [positions,
+velocities]); for other states set 1.
+
 Steady model error, two mechanisms (docs/control.md):
 
 * DISTURBANCE ESTIMATE (default, ``disturbance="velocity"``): the model is x_{k+1} = ... + d with d a constant
@@ -93,8 +105,10 @@ class MPCOptions:
     its steps, zero-order hold: what textbook LQR assumes);
     integral_time_s: integral action time T_i (0: off); integral_max_tol_s: clamp of the integral, in
     tolerance-seconds;
-    max_rate_rad_s: hard rate limit of the plan (keep <= the driver's max_rate); limit_margin_rad: the plan keeps
-    this far inside the structure's actuator limits;
+    max_rate_rad_s: hard rate limit of the plan (keep <= the driver's max_rate);
+    measured_velocity_weight: share of the measured velocities in the initial state, the rest the previous
+    cycle's prediction of now (1: as measured; the state's second half must be velocities unless 1);
+    limit_margin_rad: the plan keeps this far inside the structure's actuator limits;
     max_input_age_s: an older state or linearisation makes the answer ``stale`` (hold);
     active_tol_rad: a plan within this of a limit counts as saturated;
     output_jac_stride: the output map's Jacobian C_k is evaluated every this many steps and interpolated linearly
@@ -117,6 +131,7 @@ class MPCOptions:
     integral_time_s: float = 0.0
     integral_max_tol_s: float = 20.0
     max_rate_rad_s: float = 1.0
+    measured_velocity_weight: float = 0.2
     limit_margin_rad: float = 0.0
     max_input_age_s: float = 0.25
     active_tol_rad: float = 1e-5
@@ -140,6 +155,8 @@ class MPCOptions:
             raise ValueError(f"input_model {self.input_model!r} (valid: {', '.join(INPUT_MODELS)})")
         if not 0 < self.disturbance_gain <= 1:
             raise ValueError("disturbance_gain must be in (0, 1]")
+        if not 0 <= self.measured_velocity_weight <= 1:
+            raise ValueError("measured_velocity_weight must be in [0, 1]")
         if self.terminal_factor < 0 or self.integral_time_s < 0 or self.limit_margin_rad < 0:
             raise ValueError("terminal_factor, integral_time_s and limit_margin_rad must be >= 0")
 
@@ -161,7 +178,8 @@ class MPCResult:
     qp_s: OSQP's own time (s); iterations; active_limits: constraint rows at a bound; projection_rad: largest
     change of the solver's plan by the final projection onto the limits (solver tolerance); integral: (ny,);
     disturbance: (n,) the per-step state disturbance estimate used (m, m/s per step); innovation: largest
-    |x_meas - predicted| of this cycle's disturbance update (state units; nan: no update).
+    |x_meas - predicted| of this cycle's disturbance update (state units; nan: no update); state: (n,) the initial
+    state used (measured positions, blended velocities: ``measured_velocity_weight``).
     """
 
     plan: np.ndarray
@@ -181,6 +199,7 @@ class MPCResult:
     cost: float = math.nan
     disturbance: Optional[np.ndarray] = None
     innovation: float = math.nan
+    state: Optional[np.ndarray] = None
 
     @property
     def ok(self) -> bool:
@@ -317,7 +336,8 @@ class PlateMPC:
         if not (np.all(np.isfinite(xbar)) and np.all(np.isfinite(ubar)) and np.all(np.isfinite(A))
                 and np.all(np.isfinite(B))):
             return self.hold(u_prev, dt, Status.FAILED, "linearisation not finite: holding", t_start)
-        dx0 = np.asarray(x0, dtype=float).reshape(n) - xbar[0]
+        x0 = self._blend_velocities(np.asarray(x0, dtype=float).reshape(n), elapsed_s, n)
+        dx0 = x0 - xbar[0]
         dx0 = np.where(np.isfinite(dx0), dx0, 0.0)
         innovation = self._update_disturbance(xbar[0] + dx0, elapsed_s, n)
         d = np.zeros(n) if self.dist is None else self.dist
@@ -429,7 +449,7 @@ class PlateMPC:
                         target=r[1:].copy(), error_now=e0, solve_s=time.perf_counter() - t_start, qp_s=qp_s,
                         iterations=int(res.info.iter), active_limits=active, projection_rad=proj,
                         integral=self.integral.copy(), cost=float(resid @ resid), disturbance=d.copy(),
-                        innovation=innovation)
+                        innovation=innovation, state=xbar[0] + dx0)
         self.last = out
         return out
 
@@ -489,6 +509,22 @@ class PlateMPC:
         j = np.clip(np.searchsorted(ks, np.arange(K), side="right") - 1, 0, ks.size - 2)
         w = ((np.arange(K) - ks[j]) / (ks[j + 1] - ks[j]))[:, None, None]
         return (1.0 - w) * Cs[j] + w * Cs[j + 1]
+
+    def _blend_velocities(self, x_meas: np.ndarray, elapsed_s: float, n: int) -> np.ndarray:
+        """The initial state (module docstring): the measured positions; velocities blended with what the
+        previous cycle predicted for now (``elapsed_s`` after its state) under the plan it sent. Without that
+        prediction (first cycle, after a hold or a failed solve) or with weight 1: as measured."""
+        w = self.opt.measured_velocity_weight
+        if w >= 1.0 or self._pred is None or not elapsed_s > 0:
+            return x_meas
+        xhat, _, dt = self._pred
+        j = int(round(elapsed_s / dt))
+        if j < 1 or j > xhat.shape[0] or xhat.shape[1] != n:
+            return x_meas
+        out = x_meas.copy()
+        v = slice(n // 2, n)
+        out[v] = np.where(np.isfinite(x_meas[v]), w * x_meas[v] + (1.0 - w) * xhat[j - 1, v], xhat[j - 1, v])
+        return out
 
     def _disturbance_columns(self, n: int) -> np.ndarray:
         mode = self.opt.disturbance

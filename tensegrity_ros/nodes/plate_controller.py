@@ -55,6 +55,9 @@ PARAMS = (
               choices=DISTURBANCES, read_only=True),
     ParamSpec("input_model", "ramp", "motor motion between plan knots: ramp | hold", choices=("ramp", "hold"),
               read_only=True),
+    ParamSpec("measured_velocity_weight", 0.2, "share of the measured node velocities in the MPC's initial state, "
+              "the rest its own prediction of now (the ingest's filtered velocities lag; 1 = as measured)",
+              range=(0.0, 1.0), read_only=True),
     ParamSpec("max_input_age_s", 0.25, "older node states make the plan hold (stale) [s]", range=(0.01, 10.0)),
     ParamSpec("target_frame", "C0", "frame_id plate targets must carry", read_only=True),
     ParamSpec("target_trajectory_dt", 0.05, "time between the poses of a target trajectory (PoseArray) [s]",
@@ -93,7 +96,8 @@ class PlateControllerNode(C.GraphNode):
         self.options = MPCOptions(horizon_steps=self.N, block_steps=self.block, position_tol_m=p["position_tol_m"],
                                   angle_tol_rad=p["angle_tol_rad"], max_rate_rad_s=p["max_rate_rad_s"],
                                   limit_margin_rad=p["limit_margin_rad"], disturbance=p["disturbance"],
-                                  input_model=p["input_model"], max_input_age_s=p["max_input_age_s"])
+                                  input_model=p["input_model"], max_input_age_s=p["max_input_age_s"],
+                                  measured_velocity_weight=p["measured_velocity_weight"])
         self.output = PlateOutputMap.from_structure(self.structure)
         self.mpc = PlateMPC.from_structure(self.structure, self.output, self.options)
         self.motor_names = self.mpc.motor_names
