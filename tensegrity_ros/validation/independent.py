@@ -125,7 +125,7 @@ def draw_truth(nominal: Structure, seed: int, stiffness: float = 0.2, damping: f
     sm = rng.choice([-1.0, 1.0], len(nominal.bars)).tolist()
     strings = tuple(replace(s, stiffness=s.stiffness * (1 + stiffness * sk[i]), damping=s.damping * (1 + damping * sc[i]),
                             rest_length=s.rest_length + rest_length_m * sr[i]) for i, s in enumerate(nominal.strings))
-    bars = tuple(replace(b, mass=b.mass * (1 + mass * sm[i])) for i, b in enumerate(nominal.bars))
+    bars = tuple(b.with_mass(b.mass * (1 + mass * sm[i])) for i, b in enumerate(nominal.bars))
     return replace(nominal, strings=strings, bars=bars, std_devs=(),
                    description=f"TRUE robot of {nominal.name} (seed {seed}): k, c +-{stiffness:.0%}, rest lengths "
                                f"+-{rest_length_m * 1e3:g} mm, masses +-{mass:.0%} off the nominal")
@@ -324,18 +324,24 @@ class Drive:
 
 
 def suite_drive(structure: Structure, duration_s: float, amplitude_m: float = 0.012,
-                periods_s: Sequence[float] = (1.9, 0.7, 0.23), weights: Sequence[float] = (1.0, 0.4, 0.15)) -> Drive:
-    """An identification drive: phase-shifted sinusoid families (default periods 1.9, 0.7 and 0.23 s, amplitudes
-    ``amplitude_m`` times ``weights``; within a family the actuators' phases are spread over 2 pi, alternating in
-    sense from family to family) with 0.5-s raised-cosine ramps: a slow sway, a faster one, and a small fast one.
+                periods_s: Sequence[float] = (1.9, 0.7, 0.23, 0.11),
+                weights: Sequence[float] = (1.0, 0.4, 0.15, 0.08)) -> Drive:
+    """An identification drive: phase-shifted sinusoid families (default periods 1.9, 0.7, 0.23 and 0.11 s,
+    amplitudes ``amplitude_m`` times ``weights``; within a family the actuators' phases are spread over 2 pi,
+    alternating in sense from family to family) with 0.5-s raised-cosine ramps: a slow sway, a faster one, and two
+    small fast ones.
 
     Why the fast family: the two slow families keep the structure quasi-static (its modes are at 4-37 Hz), so the
     recording says little about dynamics. Measured on the tower (seed 0, 12 s, identify's ladder with a further
     4 x 2-s rung): with the slow families alone, stiffness median error 4.6 %, masses at their 2 % prior; with the
     0.23-s family (weight 0.15, 1.8 mm of rest length), stiffness 1.3 %, masses 0.5 %, rest lengths 0.14 mm.
-    It also makes the capsule bars' extra inertia visible (3.7 % above the thin rod's m L^2 / 12 on the prism):
-    the engine's 1-s rollout from the truth ends 0.03 / 0.4 / 0.8 mm RMS off (prism / tower / icosahedron)
-    instead of 0.01-0.03 mm, a model difference the identification has to live with, as on a real robot."""
+    The 0.11-s family (weight 0.08, 0.96 mm) does the same for the prism, whose slow moves say little: stiffness
+    15.8 % -> 2.1 %, rest lengths 1.65 -> 0.25 mm (2026-11-26, default ladder, bars' inertia stated). The fast
+    families make the bars' inertia visible: with the capsules' stated (``capsule_inertia``), the engine's 1-s
+    rollout from the truth stays within 0.01-0.09 mm RMS of the recording; as thin rods, 0.02-0.8 mm.
+
+    Like the recorder's motors (ideal: the rest length follows the drive exactly), this drive is not limited to
+    what a hobby servo can do: its families' peak rates add up to 15.6 rad/s on a 12-mm spool."""
     from ..references import SinusoidReference
 
     names = tuple(a.name for a in structure.actuators)
@@ -635,10 +641,27 @@ def form_find(data: dict, settle_s: float = 12.0) -> Tuple[Structure, dict]:
     return s1, figs
 
 
+def capsule_inertia(mass: float, length: float, radius: float) -> float:
+    """Transverse moment of inertia (kg m^2) about the centre of a uniform capsule: a cylinder of ``length``
+    between the two nodes plus a hemispherical cap of ``radius`` beyond each node, ``mass`` in all. What a lab
+    computes for its bars from their geometry (a hemisphere's own transverse inertia is 83/320 m r^2 about its
+    centre of mass, which sits 3 r / 8 from its flat face). The independent MuJoCo model gets its capsules'
+    inertia from MuJoCo itself, not from this formula."""
+    v_cyl, v_hemi = math.pi * radius ** 2 * length, 2.0 / 3.0 * math.pi * radius ** 3
+    rho = mass / (v_cyl + 2 * v_hemi)
+    m_cyl, m_hemi = rho * v_cyl, rho * v_hemi
+    d = length / 2 + 3 * radius / 8
+    return m_cyl * (length ** 2 / 12 + radius ** 2 / 4) + 2 * m_hemi * (83.0 / 320.0 * radius ** 2 + d ** 2)
+
+
 def _form_find_all(names: Sequence[str]) -> None:
     STRUCTURES_DIR.mkdir(exist_ok=True)
     for name in names:
         s, figs = form_find(GENERATORS[name]())
+        # The lab states its bars' inertia, computed from their geometry (capsules): the thin rod's m L^2 / 12
+        # is 4-5 % low for them, which biased stiffness and damping once the drive got fast (issue 17).
+        s = replace(s, bars=tuple(replace(b, inertia=round(capsule_inertia(b.mass, s.bar_length(b), b.radius), 9))
+                                  for b in s.bars))
         notes = ("Form-found by `python -m tensegrity_ros.validation.independent --form-find` (settled under gravity in "
                  "the independent MuJoCo model with these nominal values; node positions are the rest pose, rest "
                  f"lengths a prestrain of the sketch's). At rest: {json.dumps({k: round(v, 3) for k, v in figs.items()})}.")
