@@ -4,7 +4,7 @@ Each bench module exposes ``run(...) -> dict`` and writes its own JSON; this scr
 prints a one-screen summary of the headline figures next to their targets, and writes
 ``build/bench/summary.json``. Speed lives here, never in timed test assertions.
 
-    python bench/run_all.py [--quick] [--only engine,hardware,identification,graph,generality,control]
+    python bench/run_all.py [--quick] [--only engine,hardware,identification,graph,generality,control,sysid]
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ BENCHES = {
     "graph": ("bench_graph", {"duration_s": 300.0}, {"duration_s": 30.0}),
     "generality": ("bench_generality", {}, {"structures": ("prism4_fixed",)}),
     "control": ("bench_control", {"ident_s": 60.0}, {"ident_s": 40.0}),
+    "sysid": ("bench_sysid_baseline", {"quick": False}, {"quick": True}),
 }
 
 #: (bench, json path, label, target text, check) — the headline figures.
@@ -66,6 +67,15 @@ HEADLINES = [
     ("control", "rate_hz", "control: controller rate [Hz]", ">= 20", lambda v: v >= 19.5),
     ("control", "solve_p99_ms", "control: MPC solve p99 [ms]", "< 25", lambda v: v < 25),
     ("control", "violations", "control: limit violations", "0", lambda v: v == 0),
+    ("sysid", "spring_rod.ours.success_rate", "spring rod, one fit per trial: success, ours", "1.0",
+     lambda v: v >= 1.0),
+    ("sysid", "spring_rod.sysid.success_rate", "spring rod: success, mujoco.sysid", "(baseline)", lambda v: True),
+    ("sysid", "prism4_fixed.ours.error_pct.stiffness", "prism, same prior: stiffness error, ours [%]", "< 5",
+     lambda v: v < 5),
+    ("sysid", "prism4_fixed.sysid.error_pct.stiffness", "prism: stiffness error, mujoco.sysid [%]", "(baseline)",
+     lambda v: True),
+    ("sysid", "prism4_fixed.sysid_over_ours_seconds", "prism: wall time, mujoco.sysid / ours", "> 1",
+     lambda v: v > 1),
 ]
 
 

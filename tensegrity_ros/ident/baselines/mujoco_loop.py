@@ -96,11 +96,16 @@ class BaselineResult:
 
 class TwinObjective:
     """Trajectory error of the twin for group values x (one value per group; each group sets its parameter
-    names). ``mse(x)`` in mm^2 (mean over trials, samples, observed nodes, axes); ``residual(x)`` in mm."""
+    names). ``mse(x)`` in mm^2 (mean over trials, samples, observed nodes, axes); ``residual(x)`` in mm.
+
+    ``prior``: optional (centre, std) per group, and ``noise_mm``: then ``residual`` also carries one row per group,
+    noise_mm (x - centre) / std, so that least squares on it minimises sum (r / noise)^2 + sum ((x - centre) /
+    std)^2 times noise^2: the same Gaussian prior `tensegrity identify` puts on the parameters (without one, a
+    scale that nothing in the data fixes stays free). ``mse`` is over the trajectory rows only."""
 
     def __init__(self, structure: Structure, trials: Sequence[TwinTrial], groups: Mapping[str, Sequence[str]], *,
                  timestep: float = 1e-3, integrator: str = "Euler", observed: Optional[Sequence[int]] = None,
-                 base=None):
+                 base=None, prior: Optional[Tuple[Sequence[float], Sequence[float]]] = None, noise_mm: float = 1.0):
         self.structure = structure
         self.trials = list(trials)
         self.groups = {k: tuple(v) for k, v in groups.items()}
@@ -111,6 +116,8 @@ class TwinObjective:
         self.observed = np.flatnonzero(~fixed) if observed is None else np.asarray(observed, dtype=int)
         self.evaluations = 0
         self.failed = 0
+        self.prior = None if prior is None else (np.asarray(prior[0], float), np.asarray(prior[1], float))
+        self.noise_mm = float(noise_mm)
 
     def structure_for(self, x: Sequence[float]) -> Structure:
         vals = {}
@@ -134,10 +141,14 @@ class TwinObjective:
                 self.failed += 1
                 r = np.full(tr.targets[:, self.observed].shape, 1e4)
             out.append(r.reshape(-1))
+        if self.prior is not None:
+            out.append(self.noise_mm * (np.asarray(x, float).reshape(-1) - self.prior[0]) / self.prior[1])
         return np.concatenate(out)
 
     def mse(self, x: Sequence[float]) -> float:
         r = self.residual(x)
+        if self.prior is not None:
+            r = r[:-len(self.labels)]
         return float(np.mean(r * r))
 
     def values(self, x: Sequence[float]) -> Dict[str, float]:
