@@ -81,3 +81,18 @@ def test_poisoned_windows_never_give_nan(noisy):
     assert vals["s1.stiffness"] == pytest.approx(200.0, rel=0.03)
     assert vals["s2.stiffness"] == pytest.approx(200.0, rel=0.03)
     assert np.isfinite(res.residual_rms_m)
+
+
+def test_a_rung_too_long_for_the_recording_is_skipped_with_a_note(noisy):
+    """A 3-s recording and a ladder whose last rung wants 5-s windows: the fit of the rungs that fit stands, with a
+    note, instead of the whole run failing after its work (`tensegrity identify` on a 4-s bag used to exit 2 after
+    a minute: "no window with a measured start")."""
+    s, p, clean, _ = noisy
+    prior = p.with_values({"s1.stiffness": 170.0})
+    opts = IdentifyOptions.from_flat(known={"rod.mass": 1.0}, window_s=0.3, max_iter=4,
+                                     longer_windows=((0.6, 4, 2), (5.0, 4, 2)))
+    res = identify(s, clean, prior=prior, options=opts)
+    assert res.ok, res.notes
+    assert any("5-s rung (and any longer) skipped" in n for n in res.notes), res.notes
+    assert any("continued on 0.6-s windows" in n for n in res.notes), res.notes
+    assert float(res.values()["s1.stiffness"]) == pytest.approx(200.0, rel=0.02)

@@ -522,15 +522,23 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                 for ws, nw, it in opts.longer_windows:
                     if not (_finite(ref.params) and math.isfinite(ref.loss)):
                         break
+                    next_opts = dataclasses.replace(fopts, window_s=float(ws), max_windows=nw, max_iter=int(it),
+                                                    delay_s=ref.delay_s,
+                                                    prior_center=fopts.prior_center if fopts.prior_center is not None
+                                                    else start)
+                    try:
+                        nxt = refine(structure, datasets, ref.params, next_opts, backend=opts.backend,
+                                     integrator=opts.integrator, callback=callback)
+                    except NotEnoughDataError:
+                        # a short recording (or one cut by gaps and held-out windows) has no room for this
+                        # rung's windows, nor for the longer ones after it: keep the fit so far, and say so
+                        notes.append(f"stage 2's {ws:g}-s rung (and any longer) skipped: no {ws:g}-s window with "
+                                     f"a measured start fits the recording; the {fopts.window_s:g}-s result stands")
+                        break
                     notes.extend(ref.notes)
                     history.extend(ref.history)
                     notes.append(f"stage 2 continued on {ws:g}-s windows from the {fopts.window_s:g}-s result")
-                    fopts = dataclasses.replace(fopts, window_s=float(ws), max_windows=nw, max_iter=int(it),
-                                                delay_s=ref.delay_s,
-                                                prior_center=fopts.prior_center if fopts.prior_center is not None
-                                                else start)
-                    ref = refine(structure, datasets, ref.params, fopts, backend=opts.backend,
-                                 integrator=opts.integrator, callback=callback)
+                    fopts, ref = next_opts, nxt
                     stage_fits.append((float(ws), ref))
                 params = ref.params
                 delay = ref.delay_s
