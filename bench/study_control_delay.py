@@ -31,13 +31,17 @@ change the figures. The pieces, each switchable (``Setup``):
 The MPC call is the node's ``_cycle``: u_now = the node's last plan at the tick, the plan anchored at the state's
 stamp, elapsed = the time between the states of two cycles, age = tick - stamp, ``MPCOptions`` defaults unless
 ``--mpc`` overrides them (``measured_velocity_weight`` 1.0: the controller before the fix, which took the measured
-velocities as the state). The target: a 10-mm circle of C2 in C0's x-y plane around the truth's rest pose, one
-lap per 10 s (the demo's), after ``--settle-s`` on its start point (not scored). The truth: the nominal model with
+velocities as the state). ``--set "{'assumed_plan_latency_s': 0.02}"`` does what the node's ``keep_applied``
+does: the previous plan's commands from the state's stamp until tick + that latency are passed as ``u_applied``.
+The target: a 10-mm circle of C2 in C0's x-y plane around the truth's rest pose, one
+lap per 10 s (the demo's ``ControlTarget``), after ``--settle-s`` on its start point (not scored), and with
+``--tilt-at-s`` the demo's 0.5-deg pitch step that long into the scored window. The truth: the nominal model with
 its string stiffnesses and dampings x (1 + e N(0, 1)) (``--model-error`` e, ``--seed``; the demo's true robot has
 e = 0.2, so e = 0 stands for the identified model and 0.2 for the nominal one).
 
 Printed per variant (a markdown row): RMSE of C2's position (mm) over the scored cycles, over their second half,
-the largest error, the share of cycles with a plan on a limit (and the mean number of limit rows), holds (no
+the largest error, the angle RMSE (largest of yaw, pitch, roll per cycle), the share of cycles with a plan on a
+limit (and the mean number of limit rows), holds (no
 linearisation yet), the median age of the linearisation at the state (ms), the filtered velocities' RMS error
 relative to the twin's RMS velocity, wall time.
 
@@ -80,10 +84,12 @@ class Setup:
     tick_phase_s: float = 0.003
     lin_s: float = 0.1
     lin_steps_extra: int = 100      # nominal_margin_s 1.0 / dt
+    assumed_plan_latency_s: object = None   # keep the previous plan's commands until this after the tick (u_applied)
     model_error: float = 0.0        # truth = nominal with stiffnesses and dampings x (1 + e N(0, 1))
     seed: int = 0
     cycles: int = 120
     settle_s: float = 2.0
+    tilt_at_s: float = math.inf     # the demo's 0.5-deg pitch step, this long into the scored window
     mpc: dict = field(default_factory=dict)
 
     @classmethod
@@ -129,6 +135,7 @@ def run(setup: Setup, verbose: bool = False):
     import torch
 
     from tensegrity_ros import frames as F
+    from tensegrity_ros.commands.demo_control import ControlTarget
     from tensegrity_ros.control import MPCOptions, PlateMPC, PlateOutputMap, Status
     from tensegrity_ros.hardware.plan import Plan
     from tensegrity_ros.hardware.safety import clamp_goals, rate_limit
@@ -169,13 +176,11 @@ def run(setup: Setup, verbose: bool = False):
     rng = np.random.default_rng(S.seed + 1)
     kf = ConstantVelocityKF(len(seen), KalmanConfig(measurement_std_m=5e-4, accel_psd=3e-3))
 
+    # the demo's target (commands/demo_control.py ControlTarget: circle, 10 s per lap, the pitch step)
+    ctarget = ControlTarget(center=center, settle_s=S.settle_s, tilt_at_s=S.tilt_at_s)
+
     def target_at(t):
-        t = np.asarray(t, float)
-        y = np.repeat(center[None], t.size, 0)
-        w = 2 * np.pi * np.maximum(t - S.settle_s, 0.0) / 10.0
-        y[:, 0] += 0.01 * np.cos(w)
-        y[:, 1] += 0.01 * np.sin(w)
-        return y
+        return ctarget.pose(t)
 
     # ---- timeline -------------------------------------------------------------------------------------
     T_end = S.settle_s + S.cycles * period
@@ -200,7 +205,7 @@ def run(setup: Setup, verbose: bool = False):
     states = []                            # (stamp, positions (seen), velocities (seen))
     lin, lin_job = None, None              # available linearisation; (finish time, Linearization) in progress
     last_stamp = None
-    errs, scored, n_hold, n_active, lin_ages, vel_err = [], [], 0, [], [], []
+    errs, ang_errs, scored, n_hold, n_active, lin_ages, vel_err = [], [], [], 0, [], [], []
 
     def command(t):
         """The goal at t: the driver's held goal, or (no driver) the node's plan itself."""
@@ -292,9 +297,15 @@ def run(setup: Setup, verbose: bool = False):
             x = core.measured_state(seen_names, st[1], st[2], np.ones(len(seen), bool))
             A, B = lin.step_jacobians(i0, N)
             lin_ages.append(st[0] - lin.t0)
+            u_applied = None
+            if S.assumed_plan_latency_s is not None and node_plan is not None:
+                # the previous plan's commands until this plan reaches the driver (assumed latency)
+                k_app = min(max(int(math.ceil((t - st[0] + S.assumed_plan_latency_s) / dt - 1e-9)), 0), N - 1)
+                if k_app > 0:
+                    u_applied = node_plan.at(st[0] + dt * np.arange(k_app + 1), motors, u_now)
             res = mpc.solve(x, lin.xe[i0:], lin.ue[i0:], A, B, target_at(st[0] + dt * np.arange(N + 1)), u_now,
                             dt, age_s=t - st[0], elapsed_s=max(st[0] - last_stamp, 0.0) if last_stamp is not None
-                            else 0.0)
+                            else 0.0, u_applied=u_applied)
             last_stamp = st[0]
         n_active.append(res.active_limits)
         t_first = (st[0] if res.ok else t) + dt
@@ -306,8 +317,10 @@ def run(setup: Setup, verbose: bool = False):
             _, drv_plan, cmd_plan = pending.pop()
         y = F.manipulator_relative_poses(sim.node_positions(), names)["0C2"]
         ts = sim.time - sim_t0
-        e = float(np.linalg.norm(y[:3] - target_at(ts)[0, :3]))
+        yt = target_at(ts)[0]
+        e = float(np.linalg.norm(y[:3] - yt[:3]))
         errs.append(e)
+        ang_errs.append(float(np.abs((y[3:] - yt[3:] + np.pi) % (2 * np.pi) - np.pi).max()))
         scored.append(ts >= S.settle_s - 1e-9)
         if verbose and len(errs) % 20 == 0:
             print(f"  t {ts:5.2f} s err {e * 1e3:6.2f} mm {res.status.value} active {res.active_limits}",
@@ -316,6 +329,7 @@ def run(setup: Setup, verbose: bool = False):
     half = e[len(e) // 2:]
     return {"rmse_mm": float(np.sqrt(np.mean(e ** 2))), "last_half_mm": float(np.sqrt(np.mean(half ** 2))),
             "max_mm": float(e.max()), "holds": n_hold,
+            "angle_rmse_deg": float(np.degrees(np.sqrt(np.mean(np.array(ang_errs)[np.array(scored)] ** 2)))),
             "active_frac": float(np.mean(np.array(n_active)[np.array(scored)] > 0)),
             "active_mean": float(np.mean(np.array(n_active)[np.array(scored)])),
             "lin_age_ms": float(np.median(lin_ages) * 1e3) if lin_ages else math.nan,
@@ -330,17 +344,19 @@ def main(argv=None):
     ap.add_argument("--settle-s", type=float, default=2.0)
     ap.add_argument("--model-error", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tilt-at-s", type=float, default=math.inf, help="the demo's pitch step, s into the score")
     ap.add_argument("--mpc", default="{}", help="MPCOptions overrides (a Python dict)")
     ap.add_argument("--set", default="{}", help="Setup overrides (a Python dict), e.g. \"{'servo_tau_s': 0.1}\"")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     for v in a.variants:
         setup = Setup.parse(v, cycles=a.cycles, settle_s=a.settle_s, model_error=a.model_error, seed=a.seed,
-                            mpc=ast.literal_eval(a.mpc))
+                            tilt_at_s=a.tilt_at_s, mpc=ast.literal_eval(a.mpc))
         setup = replace(setup, **ast.literal_eval(a.set))
         r = run(setup, a.verbose)
         print(f"| {v} | {a.model_error:g} | {a.mpc if a.mpc != '{}' else ''} {a.set if a.set != '{}' else ''} | "
-              f"{r['rmse_mm']:.1f} | {r['last_half_mm']:.1f} | {r['max_mm']:.1f} | {100 * r['active_frac']:.0f} % "
+              f"{r['rmse_mm']:.1f} | {r['last_half_mm']:.1f} | {r['max_mm']:.1f} | {r['angle_rmse_deg']:.2f} deg | "
+              f"{100 * r['active_frac']:.0f} % "
               f"({r['active_mean']:.0f}) | {r['holds']} | {r['lin_age_ms']:.0f} | {r['vel_err_rel']:.2f} | {r['wall_s']:.0f} s |",
               flush=True)
 

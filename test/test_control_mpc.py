@@ -201,3 +201,69 @@ def test_initial_velocities_blend_the_measurement_with_the_prediction():
     with pytest.raises(ValueError, match="measured_velocity_weight"):
         MPCOptions(measured_velocity_weight=1.5)
 
+
+
+def _lagged(command_times, commands, m0, lag, t_end, h=2e-6):
+    """Fine Euler simulation of a first-order servo (time constant ``lag``) behind a command linear between
+    (command_times, commands): the motor angle at every h up to t_end, (T, A)."""
+    ts = np.arange(0.0, t_end + h / 2, h)
+    c = np.stack([np.interp(ts, command_times, commands[:, j]) for j in range(commands.shape[1])], axis=1)
+    m = np.empty_like(c)
+    m[0] = m0
+    for i in range(1, ts.size):
+        m[i] = m[i - 1] + h * (c[i - 1] - m[i - 1]) / lag
+    return ts, m
+
+
+def test_actuator_lag_predicts_the_servo_angles():
+    """actuator_lag_s: the effective input of each step is the mean of the servo angles at its ends, the servo a
+    first-order lag behind the commanded ramp, starting from the angle the previous cycle's plan led it to. A
+    plant whose state is the last step's effective input (A = 0, B = I) shows it directly."""
+    m, N, dt, lag = 2, 20, 0.01, 0.05
+    opts = MPCOptions(horizon_steps=N, block_steps=5, position_tol_m=0.01, node_tol_m=0.01, max_rate_rad_s=2.0,
+                      disturbance="none", measured_velocity_weight=1.0, actuator_lag_s=lag)
+    mpc = PlateMPC(LinearOutputMap(np.eye(m)), -np.ones(m), np.ones(m), opts)
+    A, B = np.zeros((N, m, m)), np.repeat(np.eye(m)[None], N, 0)
+    zx, zu = np.zeros((N + 1, m)), np.zeros((N + 1, m))
+    target = np.array([0.3, -0.2])
+    r1 = mpc.solve(np.zeros(m), zx, zu, A, B, target, np.zeros(m), dt)
+    np.testing.assert_array_equal(r1.motor, np.zeros(m))          # first cycle: at the present command
+    times = dt * np.arange(N + 1)
+    ts, ang = _lagged(times, np.vstack([np.zeros(m), r1.step_plan]), np.zeros(m), lag, N * dt)
+    per = int(round(dt / (ts[1] - ts[0])))
+    points = ang[::per][:N + 1]                                     # the servo angles at the steps
+    assert np.abs(r1.predicted - r1.step_plan).max() > 0.02          # the lag matters here ...
+    # ... and is predicted: exactly at the steps (the step's input is the mean of its two ends) ...
+    np.testing.assert_allclose(r1.predicted, 0.5 * (points[:-1] + points[1:]), atol=2e-5)
+    # ... which is the mean over the step to 1 mrad
+    means = np.stack([ang[k * per:(k + 1) * per + 1].mean(axis=0) for k in range(N)])
+    np.testing.assert_allclose(r1.predicted, means, atol=1e-3)
+    # 5 steps on: the servo state is where the first plan led it
+    r2 = mpc.solve(r1.predicted[4], zx, zu, A, B, target, r1.step_plan[4], dt, elapsed_s=5 * dt)
+    np.testing.assert_allclose(r2.motor, points[5], atol=2e-5)
+    with pytest.raises(ValueError, match="actuator_lag_s"):
+        MPCOptions(actuator_lag_s=-0.1)
+
+
+def test_applied_commands_come_first_and_the_plan_ramps_on_from_them():
+    """u_applied: the angles already commanded for steps 0..K0 (the previous plan, until the new one reaches the
+    driver). The plan keeps them, its ramp starts from u_applied[K0] at step K0 under the rate limit from there,
+    and the prediction uses them. A plant whose state is the last step's effective input (A = 0, B = I) shows it."""
+    m, N, dt, K0 = 2, 20, 0.01, 3
+    opts = MPCOptions(horizon_steps=N, block_steps=5, position_tol_m=0.01, node_tol_m=0.01, max_rate_rad_s=1.0,
+                      disturbance="none", measured_velocity_weight=1.0)
+    mpc = PlateMPC(LinearOutputMap(np.eye(m)), -np.ones(m), np.ones(m), opts)
+    A, B = np.zeros((N, m, m)), np.repeat(np.eye(m)[None], N, 0)
+    zx, zu = np.zeros((N + 1, m)), np.zeros((N + 1, m))
+    applied = np.array([[0.0, 0.0], [0.01, -0.01], [0.02, -0.02], [0.03, -0.03]])     # (K0+1, A)
+    res = mpc.solve(np.zeros(m), zx, zu, A, B, np.array([0.5, -0.5]), np.zeros(m), dt, u_applied=applied)
+    assert res.ok and res.plan_offset_steps == K0
+    np.testing.assert_allclose(res.step_plan[:K0], applied[1:], atol=1e-12)
+    np.testing.assert_allclose(res.predicted[:K0], 0.5 * (applied[:-1] + applied[1:]), atol=1e-9)
+    # from step K0 a ramp to the first knot at K0 + 5, at most 1 rad/s from the applied angle
+    ramp = applied[K0] + (res.plan[0] - applied[K0]) * np.arange(1, 6)[:, None] / 5
+    np.testing.assert_allclose(res.step_plan[K0:K0 + 5], ramp, atol=1e-12)
+    assert np.abs(res.plan[0] - applied[K0]).max() <= 1.0 * 5 * dt + 1e-12
+    assert np.abs(res.plan[0] - applied[K0]).max() > 0.04          # the far target: it ramps at the limit
+    with pytest.raises(ValueError, match="u_applied"):
+        mpc.solve(np.zeros(m), zx, zu, A, B, np.zeros(m), np.zeros(m), dt, u_applied=np.zeros((N + 1, m)))

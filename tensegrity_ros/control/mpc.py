@@ -24,6 +24,10 @@ block (zero-order hold, what LQR assumes). Cost, each term a sum of squares in s
   + sum_b |(v_b - v_{b-1}) / (T_b rate_scale_rad_s)|^2          smooth plans (v_{-1} = the present command)
   + sum_b |(v_b - u_rest) / effort_scale_rad|^2                 stay near the rest angles when free to
 
+Optional, off by default (docs/control.md, "Model"): ``actuator_lag_s`` makes the motor angle a first-order lag
+of the commanded ramp (the servo state carried from the previous cycle's plan), and ``solve(u_applied=...)``
+keeps the commands already sent for the first steps (the plan's ramp starts after them).
+
 Constraints (OSQP rows, exact after a final projection): lower <= v_b <= upper (the structure's actuator
 limits, less ``limit_margin_rad``) and |v_b - v_{b-1}| <= max_rate_rad_s T_b, with T_b = block_steps dt.
 
@@ -108,6 +112,8 @@ class MPCOptions:
     max_rate_rad_s: hard rate limit of the plan (keep <= the driver's max_rate);
     measured_velocity_weight: share of the measured velocities in the initial state, the rest the previous
     cycle's prediction of now (1: as measured; the state's second half must be velocities unless 1);
+    actuator_lag_s: the servos' first-order lag behind the commanded angle (s; 0: the motors are where they are
+    commanded), modelled in the effective input, the servo state carried over from the previous cycle's plan;
     limit_margin_rad: the plan keeps this far inside the structure's actuator limits;
     max_input_age_s: an older state or linearisation makes the answer ``stale`` (hold);
     active_tol_rad: a plan within this of a limit counts as saturated;
@@ -132,6 +138,7 @@ class MPCOptions:
     integral_max_tol_s: float = 20.0
     max_rate_rad_s: float = 1.0
     measured_velocity_weight: float = 0.2
+    actuator_lag_s: float = 0.0
     limit_margin_rad: float = 0.0
     max_input_age_s: float = 0.25
     active_tol_rad: float = 1e-5
@@ -157,6 +164,8 @@ class MPCOptions:
             raise ValueError("disturbance_gain must be in (0, 1]")
         if not 0 <= self.measured_velocity_weight <= 1:
             raise ValueError("measured_velocity_weight must be in [0, 1]")
+        if not (math.isfinite(self.actuator_lag_s) and self.actuator_lag_s >= 0):
+            raise ValueError("actuator_lag_s must be >= 0")
         if self.terminal_factor < 0 or self.integral_time_s < 0 or self.limit_margin_rad < 0:
             raise ValueError("terminal_factor, integral_time_s and limit_margin_rad must be >= 0")
 
@@ -179,7 +188,10 @@ class MPCResult:
     change of the solver's plan by the final projection onto the limits (solver tolerance); integral: (ny,);
     disturbance: (n,) the per-step state disturbance estimate used (m, m/s per step); innovation: largest
     |x_meas - predicted| of this cycle's disturbance update (state units; nan: no update); state: (n,) the initial
-    state used (measured positions, blended velocities: ``measured_velocity_weight``).
+    state used (measured positions, blended velocities: ``measured_velocity_weight``); motor: (A,) the motor
+    angles assumed at the state's time (``actuator_lag_s``: the servos' state; else the start command);
+    plan_offset_steps: K0 of ``u_applied`` (the knots are reached K0 steps later than said above, and step_plan's
+    first K0 rows are the applied angles).
     """
 
     plan: np.ndarray
@@ -200,6 +212,8 @@ class MPCResult:
     disturbance: Optional[np.ndarray] = None
     innovation: float = math.nan
     state: Optional[np.ndarray] = None
+    motor: Optional[np.ndarray] = None
+    plan_offset_steps: int = 0
 
     @property
     def ok(self) -> bool:
@@ -265,6 +279,7 @@ class PlateMPC:
         self._prev_v: Optional[np.ndarray] = None
         self.dist: Optional[np.ndarray] = None            # (n,) per-step state disturbance estimate
         self._pred = None                                  # (xhat (N, n) at steps 1..N, A (N, n, n), dt)
+        self._motor_pred = None                            # (N, A) motor angles at steps 1..N under the plan
 
     @classmethod
     def from_structure(cls, structure, output_map, options: MPCOptions = MPCOptions(), **kw) -> "PlateMPC":
@@ -283,6 +298,7 @@ class PlateMPC:
         self.last = None
         self.dist = None
         self._pred = None
+        self._motor_pred = None
 
     # ---- results that are not a solve ------------------------------------------------------------------
     def hold(self, u_prev, dt: float, status: Status, message: str, t_start: Optional[float] = None) -> MPCResult:
@@ -299,7 +315,7 @@ class PlateMPC:
 
     # ---- the cycle --------------------------------------------------------------------------------------
     def solve(self, x0, xbar, ubar, A, B, target, u_prev, dt: float, age_s: float = 0.0,
-              elapsed_s: float = 0.0) -> MPCResult:
+              elapsed_s: float = 0.0, u_applied=None) -> MPCResult:
         """One MPC cycle.
 
         x0: (n,) measured state at step 0 (NaN entries: no measurement, the nominal is used); xbar: (>=N+1, n)
@@ -308,7 +324,9 @@ class PlateMPC:
         n), B: (>=N, n, A) the step Jacobians; target: (ny,) constant or (>=N+1, ny) at steps 0..N (NaN: not
         tracked); u_prev: (A,) the motor angles commanded now (rad); dt: prediction step (s); age_s: age of the
         oldest input (state or linearisation) now (s); elapsed_s: time since the previous cycle's measurement
-        (s; integrates the measured error, 0 = no integration).
+        (s; integrates the measured error, 0 = no integration); u_applied: (K0+1, A) the angles commanded at steps
+        0..K0 that this plan can no longer change (the previous plan, which the driver follows until this one
+        reaches it; 0 <= K0 < N): the plan's ramp starts from u_applied[K0] at step K0 (None: from u_prev at 0).
         """
         t_start = time.perf_counter()
         o = self.opt
@@ -366,7 +384,18 @@ class PlateMPC:
         # ---- condensed prediction: delta x_k = S_k [v; 1] -----------------------------------------------
         C = self._output_jacobians(xbar[1:])                          # (N, ny, n)
         u_now = np.clip(u_prev, self.lower, self.upper)
-        Wc, ebar = self._input_weights(N, s, M, dt, ubar, u_now)
+        k0, applied = 0, None
+        if u_applied is not None:
+            applied = np.asarray(u_applied, dtype=float)
+            if applied.ndim != 2 or applied.shape[1] != nu or not 1 <= applied.shape[0] <= N:
+                raise ValueError(f"u_applied must be (K0+1, {nu}) with 0 <= K0 < {N}; got {applied.shape}")
+            if not np.all(np.isfinite(applied)):
+                return self.hold(u_prev, dt, Status.FAILED, "applied motor commands not finite: holding", t_start)
+            applied = np.clip(applied, self.lower, self.upper)
+            k0 = applied.shape[0] - 1
+        start = applied[k0] if applied is not None else u_now
+        motor_now = self._motor_estimate(applied[0] if applied is not None else u_now, elapsed_s, dt)
+        Wc, ebar, motors = self._input_weights(N, s, M, dt, ubar, start, k0, applied, motor_now)
         S = np.zeros((n, M * nu + 1))
         S[:, -1] = dx0
         G = np.empty((N, ny, M * nu + 1))
@@ -397,7 +426,7 @@ class PlateMPC:
         Tb = s * dt
         D = np.eye(M * nu) - np.eye(M * nu, k=-nu)                    # v_b - v_{b-1}; row block 0: v_0
         d0 = np.zeros(M * nu)
-        d0[:nu] = u_now
+        d0[:nu] = start
         if math.isfinite(o.rate_scale_rad_s):
             c = 1.0 / (Tb * o.rate_scale_rad_s)
             rows_F.append(c * D)
@@ -417,8 +446,8 @@ class PlateMPC:
         step = o.max_rate_rad_s * Tb
         l = np.concatenate([np.tile(self.lower, M), np.full(M * nu, -step)])
         u = np.concatenate([np.tile(self.upper, M), np.full(M * nu, step)])
-        l[M * nu:M * nu + nu] += u_now
-        u[M * nu:M * nu + nu] += u_now
+        l[M * nu:M * nu + nu] += start
+        u[M * nu:M * nu + nu] += start
 
         # ---- solve (warm) ---------------------------------------------------------------------------------
         res, qp_s = self._osqp(P, q, D, l, u, M, nu, elapsed_s, Tb)
@@ -427,7 +456,7 @@ class PlateMPC:
             msg = "no solver answer" if res is None else f"solver: {res.info.status}"
             return self.hold(u_prev, dt, Status.FAILED, msg + ": holding", t_start)
         v_raw = v_raw.reshape(M, nu)
-        v = project_plan(v_raw, u_now, self.lower, self.upper, step)
+        v = project_plan(v_raw, start, self.lower, self.upper, step)
         self._prev_v = v.reshape(-1).copy()
         proj = float(np.max(np.abs(v - v_raw)))
         vf = v.reshape(-1)
@@ -443,61 +472,111 @@ class PlateMPC:
         pred = (Gv.reshape(N * ny, M * nu) @ vf).reshape(N, ny) + g + r[1:]
         # the states this plan leads to (for the next cycle's disturbance update)
         self._pred = (xbar[1:] + Sk[:, :, :-1] @ vf + Sk[:, :, -1], A, dt)
-        step_plan = self._step_angles(v, u_now, N, s)
+        self._motor_pred = (motors[0] + motors[1] @ v)[1:]
+        step_plan = self._step_angles(v, start, N, s, k0, applied)
         resid = F @ vf + e
         out = MPCResult(plan=v, plan_dt=Tb, step_plan=step_plan, status=status, message=msg, predicted=pred,
                         target=r[1:].copy(), error_now=e0, solve_s=time.perf_counter() - t_start, qp_s=qp_s,
                         iterations=int(res.info.iter), active_limits=active, projection_rad=proj,
                         integral=self.integral.copy(), cost=float(resid @ resid), disturbance=d.copy(),
-                        innovation=innovation, state=xbar[0] + dx0)
+                        innovation=innovation, state=xbar[0] + dx0, motor=motors[0][0] + 0.0,
+                        plan_offset_steps=k0)
         self.last = out
         return out
 
-    def _knots(self, N: int, s: int, M: int):
-        """Per time point k = 0..N: [(knot, weight)] of the motor angle a_k; knot 0 = the present command,
-        knot b+1 = plan block b. Ramp: linear between knots at 0, s, 2s, ... steps; hold: a_k = block k // s."""
+    def _points(self, N: int, s: int, M: int, k0: int):
+        """Per time point k = 0..N: None when the commanded angle a_k is the applied one (k < k0), else
+        [(knot, weight)]: knot 0 = the start (the applied angle at k0, or the present command), knot b+1 = plan
+        block b. Ramp: linear between knots at k0, k0 + s, k0 + 2s, ... steps; hold: a_k = block (k - k0) // s."""
         out = []
         for k in range(N + 1):
-            if self.opt.input_model == "hold":
-                out.append([(1 + min(k // s, M - 1), 1.0)])
+            if k < k0:
+                out.append(None)
                 continue
-            i, w = min(k // s, M), (k % s) / s
+            kk = k - k0
+            if self.opt.input_model == "hold":
+                out.append([(1 + min(kk // s, M - 1), 1.0)])
+                continue
+            i, w = min(kk // s, M), (kk % s) / s
             out.append([(i, 1.0 - w)] + ([(i + 1, w)] if w > 0 and i + 1 <= M else []))
         return out
 
-    def _input_weights(self, N, s, M, dt, ubar, u_now):
+    def _commands(self, N, s, M, start, k0, applied):
+        """The commanded angle at the points k = 0..N as constants c (N+1, A) + weights W (N+1, M) on the
+        plan's blocks."""
+        pts = self._points(N, s, M, k0)
+        c, W = np.zeros((N + 1, self.n_u)), np.zeros((N + 1, M))
+        for k, p in enumerate(pts):
+            if p is None:
+                c[k] = applied[k]
+                continue
+            for j, w in p:
+                if j == 0:
+                    c[k] += w * start
+                else:
+                    W[k, j - 1] += w
+        return c, W
+
+    def _input_weights(self, N, s, M, dt, ubar, start, k0=0, applied=None, motor_now=None):
         """The effective input of each step k as a linear function of the plan: Wc[k] = [(block, (A,) weight)],
-        and ebar[k] (A,) = its constant part (present command) minus the nominal's (rad).
+        and ebar[k] (A,) = its constant part minus the nominal's (rad); and the motor angles at the points as
+        (constants (N+1, A), weights (N+1, M)).
 
-        Ramp: over step k the angle runs from a_k to a_{k+1}: effective input (a_k + a_{k+1}) / 2 +
-        rate_gain (a_{k+1} - a_k) / dt. Hold: a_k (the block's angle), against ubar_k."""
-        kn = self._knots(N, s, M)
-        Wc, ebar = [], np.zeros((N, self.n_u))
+        Ramp: over step k the motor angle runs from m_k to m_{k+1}: effective input (m_k + m_{k+1}) / 2 +
+        rate_gain (m_{k+1} - m_k) / dt. Hold: m_k. The motor angle is the command, or with ``actuator_lag_s``
+        the servo's first-order lag of it from ``motor_now``: m_{k+1} = a m_k + (1 - b) c_{k+1} + (b - a) c_k,
+        a = exp(-dt / lag), b = lag (1 - a) / dt (exact for a command linear over the step); hold: m_{k+1} =
+        a m_k + (1 - a) c_k, the step's input (m_k + m_{k+1}) / 2."""
+        c, W = self._commands(N, s, M, start, k0, applied)
         ramp = self.opt.input_model == "ramp"
+        lag = self.opt.actuator_lag_s
+        if lag > 0:
+            a = math.exp(-dt / lag)
+            b = lag * (1.0 - a) / dt
+            cm, Wm = np.zeros_like(c), np.zeros_like(W)
+            cm[0] = start if motor_now is None else motor_now
+            for k in range(N):
+                if ramp:
+                    cm[k + 1] = a * cm[k] + (1.0 - b) * c[k + 1] + (b - a) * c[k]
+                    Wm[k + 1] = a * Wm[k] + (1.0 - b) * W[k + 1] + (b - a) * W[k]
+                else:
+                    cm[k + 1] = a * cm[k] + (1.0 - a) * c[k]
+                    Wm[k + 1] = a * Wm[k] + (1.0 - a) * W[k]
+        else:
+            cm, Wm = c, W
+        g = self.rate_gain
+        Wc, ebar = [], np.zeros((N, self.n_u))
         for k in range(N):
-            acc = {}
             if ramp:
-                for j, w in kn[k]:
-                    acc[j] = acc.get(j, 0.0) + (0.5 * w - self.rate_gain * w / dt)
-                for j, w in kn[k + 1]:
-                    acc[j] = acc.get(j, 0.0) + (0.5 * w + self.rate_gain * w / dt)
-                nominal = 0.5 * (ubar[k] + ubar[k + 1]) + self.rate_gain * (ubar[k + 1] - ubar[k]) / dt
+                const = 0.5 * (cm[k] + cm[k + 1]) + g * (cm[k + 1] - cm[k]) / dt
+                w = 0.5 * (Wm[k] + Wm[k + 1])[:, None] + ((Wm[k + 1] - Wm[k]) / dt)[:, None] * g[None, :]
+                nominal = 0.5 * (ubar[k] + ubar[k + 1]) + g * (ubar[k + 1] - ubar[k]) / dt
             else:
-                for j, w in kn[k]:
-                    acc[j] = acc.get(j, 0.0) + w * np.ones(self.n_u)
+                if lag > 0:
+                    const, wv = 0.5 * (cm[k] + cm[k + 1]), 0.5 * (Wm[k] + Wm[k + 1])
+                else:
+                    const, wv = cm[k], Wm[k]
+                w = np.repeat(wv[:, None], self.n_u, 1)
                 nominal = ubar[k]
-            c0 = acc.pop(0, None)
-            ebar[k] = (0.0 if c0 is None else c0 * u_now) - nominal
-            Wc.append([(j - 1, np.broadcast_to(w, (self.n_u,))) for j, w in acc.items()])
-        return Wc, ebar
+            ebar[k] = const - nominal
+            Wc.append([(j, w[j]) for j in range(M) if np.any(w[j] != 0.0)])
+        return Wc, ebar, (cm, Wm)
 
-    def _step_angles(self, v, u_now, N, s):
-        """(N, A) angles at the end of each step (ramp) or over it (hold) for the plan v (M, A)."""
-        M = v.shape[0]
-        K = np.vstack([u_now[None], v])
-        kn = self._knots(N, s, M)
-        rows = kn[1:] if self.opt.input_model == "ramp" else kn[:N]
-        return np.stack([sum(w * K[j] for j, w in r) for r in rows])
+    def _step_angles(self, v, start, N, s, k0=0, applied=None):
+        """(N, A) commanded angles at the end of each step (ramp) or over it (hold) for the plan v (M, A)."""
+        c, W = self._commands(N, s, v.shape[0], start, k0, applied)
+        ang = c + W @ v
+        return ang[1:] if self.opt.input_model == "ramp" else ang[:N]
+
+    def _motor_estimate(self, start: np.ndarray, elapsed_s: float, dt: float) -> np.ndarray:
+        """The servos' angles at the state's time (``actuator_lag_s``): what the previous cycle predicted under
+        the plan it sent; without that prediction (first cycle, after a hold) the start command."""
+        if self.opt.actuator_lag_s <= 0 or self._pred is None or self._motor_pred is None or not elapsed_s > 0:
+            return start.copy()
+        j = int(round(elapsed_s / dt))
+        if j < 1 or j > self._motor_pred.shape[0] or self._motor_pred.shape[1] != start.size:
+            return start.copy()
+        return self._motor_pred[j - 1].copy()
 
     def _output_jacobians(self, xs: np.ndarray) -> np.ndarray:
         """(K, ny, n) C_k at the states xs (K, n): every ``output_jac_stride`` steps, linear in between."""

@@ -55,6 +55,14 @@ PARAMS = (
               choices=DISTURBANCES, read_only=True),
     ParamSpec("input_model", "ramp", "motor motion between plan knots: ramp | hold", choices=("ramp", "hold"),
               read_only=True),
+    ParamSpec("rate_scale_rad_s", 2.0, "a plan knot-to-knot speed that costs 1 (smoothness of the plans) [rad/s]",
+              range=(1e-3, 100.0), read_only=True),
+    ParamSpec("actuator_lag_s", 0.0, "the servos' first-order lag behind the goal, modelled by the MPC [s] (0: "
+              "none; the emulated bus's is sim_robot's motor_time_constant_s)", range=(0.0, 1.0), read_only=True),
+    ParamSpec("keep_applied", False, "keep the previous plan's commands from the state's stamp until the new plan "
+              "reaches the driver (now + plan_latency_s) and ramp on from them", read_only=True),
+    ParamSpec("plan_latency_s", 0.02, "expected time from a cycle's tick until its plan reaches the driver (solve, "
+              "DDS) [s] (keep_applied)", range=(0.0, 0.5)),
     ParamSpec("measured_velocity_weight", 0.2, "share of the measured node velocities in the MPC's initial state, "
               "the rest its own prediction of now (the ingest's filtered velocities lag; 1 = as measured)",
               range=(0.0, 1.0), read_only=True),
@@ -97,7 +105,8 @@ class PlateControllerNode(C.GraphNode):
                                   angle_tol_rad=p["angle_tol_rad"], max_rate_rad_s=p["max_rate_rad_s"],
                                   limit_margin_rad=p["limit_margin_rad"], disturbance=p["disturbance"],
                                   input_model=p["input_model"], max_input_age_s=p["max_input_age_s"],
-                                  measured_velocity_weight=p["measured_velocity_weight"])
+                                  measured_velocity_weight=p["measured_velocity_weight"],
+                                  rate_scale_rad_s=p["rate_scale_rad_s"], actuator_lag_s=p["actuator_lag_s"])
         self.output = PlateOutputMap.from_structure(self.structure)
         self.mpc = PlateMPC.from_structure(self.structure, self.output, self.options)
         self.motor_names = self.mpc.motor_names
@@ -275,8 +284,15 @@ class PlateControllerNode(C.GraphNode):
             if traj is not None:                    # the target at the horizon's steps (k dt after the state)
                 target = traj.sample(st.stamp + dt * np.arange(self.N + 1))
             elapsed = st.stamp - self._last_stamp if self._last_stamp is not None else 0.0
+            applied = None
+            if self.p["keep_applied"] and self._plan is not None:
+                # the plan starts at the state's stamp, but the driver follows the previous plan until this one
+                # arrives (now + plan_latency_s): those commands are fixed, the new plan ramps on from them
+                k = min(max(int(math.ceil((now - st.stamp + self.p["plan_latency_s"]) / dt - 1e-9)), 0), self.N - 1)
+                if k > 0:
+                    applied = self._plan.at(st.stamp + dt * np.arange(k + 1), self.motor_names, u_now)
             res = self.mpc.solve(x, lin.xe[i0:], lin.ue[i0:], A, B, target, u_now, dt, age_s=now - st.stamp,
-                                 elapsed_s=max(elapsed, 0.0))
+                                 elapsed_s=max(elapsed, 0.0), u_applied=applied)
             self._last_stamp = st.stamp
             if res.ok:                 # a computed plan (a stale or failed answer returns before the QP: no solve)
                 self.solve.add(res.solve_s)
