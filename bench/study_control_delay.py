@@ -356,9 +356,8 @@ def main(argv=None):
         r = run(setup, a.verbose)
         print(f"| {v} | {a.model_error:g} | {a.mpc if a.mpc != '{}' else ''} {a.set if a.set != '{}' else ''} | "
               f"{r['rmse_mm']:.1f} | {r['last_half_mm']:.1f} | {r['max_mm']:.1f} | {r['angle_rmse_deg']:.2f} deg | "
-              f"{100 * r['active_frac']:.0f} % "
-              f"({r['active_mean']:.0f}) | {r['holds']} | {r['lin_age_ms']:.0f} | {r['vel_err_rel']:.2f} | {r['wall_s']:.0f} s |",
-              flush=True)
+              f"{100 * r['active_frac']:.0f} % ({r['active_mean']:.0f}) | {r['holds']} | {r['lin_age_ms']:.0f} | "
+              f"{r['vel_err_rel']:.2f} | {r['wall_s']:.0f} s |", flush=True)
 
 
 if __name__ == "__main__":
