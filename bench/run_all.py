@@ -4,7 +4,7 @@ Each bench module exposes ``run(...) -> dict`` and writes its own JSON; this scr
 prints a one-screen summary of the headline figures next to their targets, and writes
 ``build/bench/summary.json``. Speed lives here, never in timed test assertions.
 
-    python bench/run_all.py [--quick] [--only engine,hardware,identification,graph,generality,control,sysid]
+    python bench/run_all.py [--quick] [--only engine,hardware,identification,graph,generality,control,sysid,scaling]
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ BENCHES = {
     "generality": ("bench_generality", {}, {"structures": ("prism4_fixed",)}),
     "control": ("bench_control", {"ident_s": 60.0}, {"ident_s": 40.0}),
     "sysid": ("bench_sysid_baseline", {"quick": False}, {"quick": True}),
+    "scaling": ("bench_scaling", {"quick": False}, {"quick": True}),
 }
 
 #: (bench, json path, label, target text, check) — the headline figures.
@@ -76,14 +77,24 @@ HEADLINES = [
      lambda v: True),
     ("sysid", "prism4_fixed.sysid_over_ours_seconds", "prism: wall time, mujoco.sysid / ours", "> 1",
      lambda v: v > 1),
+    ("scaling", "identify.by_length.2.real_time_factor", "identify, 16-s manipulator bag: wall / recording", "<= 1",
+     lambda v: v <= 1),
+    ("scaling", "identify.fit_wall_s.per_recorded_s", "identify: extra wall seconds per recorded second", "(fit)",
+     lambda v: True),
+    ("scaling", "engine.stacked_manipulator.fit.saturation_batch", "engine (eager): batch where throughput saturates",
+     "(fit)", lambda v: True),
 ]
 
 
 def _lookup(tree, dotted: str):
+    """tree["a"]["b"]... for "a.b..."; a numeric key indexes a list."""
     for key in dotted.split("."):
-        if not isinstance(tree, dict) or key not in tree:
+        if isinstance(tree, list) and key.isdigit() and int(key) < len(tree):
+            tree = tree[int(key)]
+        elif isinstance(tree, dict) and key in tree:
+            tree = tree[key]
+        else:
             return None
-        tree = tree[key]
     return tree
 
 
