@@ -338,7 +338,8 @@ def suite_drive(structure: Structure, duration_s: float, amplitude_m: float = 0.
     The 0.11-s family (weight 0.08, 0.96 mm) does the same for the prism, whose slow moves say little: stiffness
     15.8 % -> 2.1 %, rest lengths 1.65 -> 0.25 mm (2026-11-26, default ladder, bars' inertia stated). The fast
     families make the bars' inertia visible: with the capsules' stated (``capsule_inertia``), the engine's 1-s
-    rollout from the truth stays within 0.01-0.09 mm RMS of the recording; as thin rods, 0.02-0.8 mm.
+    rollout (0.26-ms steps) from the truth stays within 0.014-0.021 mm RMS of the recording; as thin rods,
+    0.14-0.85 mm (test_generality).
 
     Like the recorder's motors (ideal: the rest length follows the drive exactly), this drive is not limited to
     what a hobby servo can do: its families' peak rates add up to 15.6 rad/s on a 12-mm spool."""
