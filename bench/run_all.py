@@ -100,7 +100,8 @@ def _lookup(tree, dotted: str):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="short runs (minutes instead of ~20 min)")
+    ap.add_argument("--quick", action="store_true", help="short runs (minutes; the full run is long: its "
+                    "scaling part alone took 17 min, 2026-11-26)")
     ap.add_argument("--only", default=",".join(BENCHES), help="comma-separated subset of: " + ", ".join(BENCHES))
     args = ap.parse_args(argv)
     wanted = [b.strip() for b in args.only.split(",") if b.strip()]
