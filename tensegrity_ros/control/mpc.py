@@ -394,7 +394,7 @@ class PlateMPC:
             applied = np.clip(applied, self.lower, self.upper)
             k0 = applied.shape[0] - 1
         start = applied[k0] if applied is not None else u_now
-        motor_now = self._motor_estimate(applied[0] if applied is not None else u_now, elapsed_s, dt)
+        motor_now = self._motor_estimate(applied[0] if applied is not None else u_now, elapsed_s)
         Wc, ebar, motors = self._input_weights(N, s, M, dt, ubar, start, k0, applied, motor_now)
         S = np.zeros((n, M * nu + 1))
         S[:, -1] = dx0
@@ -568,15 +568,23 @@ class PlateMPC:
         ang = c + W @ v
         return ang[1:] if self.opt.input_model == "ramp" else ang[:N]
 
-    def _motor_estimate(self, start: np.ndarray, elapsed_s: float, dt: float) -> np.ndarray:
+    def _prediction_step(self, table: Optional[np.ndarray], elapsed_s: float, width: int) -> Optional[int]:
+        """j such that ``table[j - 1]`` is the previous cycle's prediction for now, ``elapsed_s`` after that cycle's
+        state (``table``: its rows at steps 1..N, ``self._motor_pred`` or the states of ``self._pred``; j counts
+        the prediction's own steps); None when there is no prediction, it does not reach now, or its rows are
+        not ``width`` wide (the problem changed size)."""
+        if self._pred is None or table is None or not elapsed_s > 0:
+            return None
+        j = int(round(elapsed_s / self._pred[2]))
+        if j < 1 or j > table.shape[0] or table.shape[1] != width:
+            return None
+        return j
+
+    def _motor_estimate(self, start: np.ndarray, elapsed_s: float) -> np.ndarray:
         """The servos' angles at the state's time (``actuator_lag_s``): what the previous cycle predicted under
         the plan it sent; without that prediction (first cycle, after a hold) the start command."""
-        if self.opt.actuator_lag_s <= 0 or self._pred is None or self._motor_pred is None or not elapsed_s > 0:
-            return start.copy()
-        j = int(round(elapsed_s / dt))
-        if j < 1 or j > self._motor_pred.shape[0] or self._motor_pred.shape[1] != start.size:
-            return start.copy()
-        return self._motor_pred[j - 1].copy()
+        j = self._prediction_step(self._motor_pred, elapsed_s, start.size) if self.opt.actuator_lag_s > 0 else None
+        return start.copy() if j is None else self._motor_pred[j - 1].copy()
 
     def _output_jacobians(self, xs: np.ndarray) -> np.ndarray:
         """(K, ny, n) C_k at the states xs (K, n): every ``output_jac_stride`` steps, linear in between."""
@@ -594,12 +602,10 @@ class PlateMPC:
         previous cycle predicted for now (``elapsed_s`` after its state) under the plan it sent. Without that
         prediction (first cycle, after a hold or a failed solve) or with weight 1: as measured."""
         w = self.opt.measured_velocity_weight
-        if w >= 1.0 or self._pred is None or not elapsed_s > 0:
+        j = self._prediction_step(None if self._pred is None else self._pred[0], elapsed_s, n) if w < 1.0 else None
+        if j is None:
             return x_meas
-        xhat, _, dt = self._pred
-        j = int(round(elapsed_s / dt))
-        if j < 1 or j > xhat.shape[0] or xhat.shape[1] != n:
-            return x_meas
+        xhat = self._pred[0]
         out = x_meas.copy()
         v = slice(n // 2, n)
         out[v] = np.where(np.isfinite(x_meas[v]), w * x_meas[v] + (1.0 - w) * xhat[j - 1, v], xhat[j - 1, v])
@@ -615,12 +621,10 @@ class PlateMPC:
         cols = self._disturbance_columns(n)
         if self.dist is None or self.dist.size != n:
             self.dist = np.zeros(n)
-        if cols.size == 0 or self._pred is None or not elapsed_s > 0:
-            return math.nan
-        xhat, A, dt = self._pred
-        j = int(round(elapsed_s / dt))
-        if j < 1 or j > xhat.shape[0] or xhat.shape[1] != n:
-            return math.nan             # the previous plan did not reach now: nothing to compare with
+        j = self._prediction_step(None if self._pred is None else self._pred[0], elapsed_s, n) if cols.size else None
+        if j is None:
+            return math.nan             # no previous plan, or it did not reach now: nothing to compare with
+        xhat, A, _ = self._pred
         e = x_meas - xhat[j - 1]
         ok = np.isfinite(e)
         if not np.any(ok):
