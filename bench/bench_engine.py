@@ -54,7 +54,7 @@ def _best(fn, repeats=3):
     return best
 
 
-def _engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_batch=None):
+def engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_batch=None):
     """item-steps per second of a rollout of ``steps`` steps at batch B."""
     p = eng.default_params().map(lambda t: t.to(dtype))
     s0 = eng.initial_state(batch=B).map(lambda t: t.to(dtype))
@@ -176,7 +176,7 @@ def run(structures=tuple(STRUCTURES), batches=(1, 64, 1024), grads=(False, True)
                         steps = 20
                     if not comp and B >= 1024:
                         steps = 10
-                    rate, warm = _engine_rate(eng, B, steps, comp, grad, sub_batch=SUB_BATCH.get(name))
+                    rate, warm = engine_rate(eng, B, steps, comp, grad, sub_batch=SUB_BATCH.get(name))
                     key = f"{'compiled' if comp else 'eager'}_{'grad' if grad else 'nograd'}_b{B}"
                     r["engine"][key] = {"steps_per_s": rate, "warmup_s": warm}
                     log(f"{tag:34s} {key:26s} {rate:12.0f} item-steps/s   (first call {warm:.1f} s)")

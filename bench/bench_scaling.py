@@ -30,6 +30,10 @@ import torch
 
 from tensegrity_ros.paths import CONFIG_DIR, REPO_ROOT
 
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+
+from bench_engine import engine_rate  # noqa: E402  (one measurement of the engine's rate, shared)
+
 from tensegrity_ros.cli import main as cli  # noqa: E402
 from tensegrity_ros.engine import make_engine  # noqa: E402
 from tensegrity_ros.model import load_structure  # noqa: E402
@@ -37,7 +41,6 @@ from tensegrity_ros.model import load_structure  # noqa: E402
 OUT = REPO_ROOT / "build" / "bench"
 IMG = REPO_ROOT / "docs" / "img"
 MODEL = CONFIG_DIR / "models" / "stacked_manipulator.yaml"
-DT = 1e-3
 
 
 def _log(*a):
@@ -94,21 +97,6 @@ def _merge_identify(old: Dict[str, Any], new: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _step_seconds(eng, B: int, steps: int) -> float:
-    p = eng.default_params().map(lambda t: t.to(torch.float32))
-    s0 = eng.initial_state(batch=B).map(lambda t: t.to(torch.float32))
-    torch.manual_seed(0)
-    s0 = eng.project(p, s0.replace(velocities=s0.velocities + 0.01 * torch.randn_like(s0.velocities)))
-    with torch.no_grad():
-        eng.rollout(p, s0, None, DT, steps=2)
-        best = float("inf")
-        for _ in range(2):
-            t = time.perf_counter()
-            eng.rollout(p, s0, None, DT, steps=steps)
-            best = min(best, time.perf_counter() - t)
-    return best / steps
-
-
 def engine_scaling(batches: Sequence[int]) -> Dict[str, Any]:
     out = {}
     for name, integ in (("icosahedron", "semi_implicit"), ("stacked_manipulator", "implicit")):
@@ -117,7 +105,7 @@ def engine_scaling(batches: Sequence[int]) -> Dict[str, Any]:
         rows = []
         for B in batches:
             steps = int(np.clip(2e5 / B, 2, 200))
-            sec = _step_seconds(eng, B, steps)
+            sec = B / engine_rate(eng, B, steps, compile=False, grad=False)[0]
             rows.append({"batch": B, "seconds_per_step": sec, "item_steps_per_s": B / sec})
             _log(f"  {name:20s} {integ:14s} batch {B:6d}: {B / sec:12.4g} item-steps/s ({sec * 1e3:.3g} ms/step)")
         Bs = np.array([r["batch"] for r in rows], float)
