@@ -25,6 +25,7 @@ import torch
 
 from . import integrators
 from ._common import as_tensor, convert_like, register_tensor_dataclass, setup_compile
+from .laws import split_stiffness, string_stiffness
 from .nodal import Derived, rest_lengths
 from .params import Params, params_from_structure
 from .state import Inputs, RodState, rollout_horizon
@@ -249,13 +250,13 @@ def rod_endpoints(c: RodConstants, p, v, q, w):
 
 
 def _prepare(c: RodConstants, params: Params) -> Derived:
-    """EA = k xi00 (cord strings) and kc = k (spring strings) with the 0/1 law masks, as in
-    :func:`.nodal.prepare`: kappa = EA / xi0 + kc, bit-for-bit the former EA / xi0 for cord strings."""
+    """EA and kc by each string's law (:func:`.laws.split_stiffness`, as in :func:`.laws.prepare`; ``c`` carries
+    the same 0/1 ``cord`` / ``spring`` masks), so that kappa = EA / xi0 + kc."""
     Y = c.Ydir * params.spool_radius.unsqueeze(-2)
     e = params.mass.new_zeros(())
-    k = params.stiffness
-    return Derived(EA=k * params.rest_length * c.cord, zeta=params.damping, xi00=params.rest_length, Y=Y,
-                   z=params.zero_offset, Mq=e, Minv=e, Pt=e, Gc=e, FgT=e, kc=k * c.spring)
+    EA, kc = split_stiffness(c, params.stiffness, params.rest_length)
+    return Derived(EA=EA, zeta=params.damping, xi00=params.rest_length, Y=Y,
+                   z=params.zero_offset, Mq=e, Minv=e, Pt=e, Gc=e, FgT=e, kc=kc)
 
 
 def node_spring_forces(c: RodConstants, der: Derived, X, V, u, udot, tension_only: bool):
@@ -263,7 +264,7 @@ def node_spring_forces(c: RodConstants, der: Derived, X, V, u, udot, tension_onl
     dp = X.index_select(-2, c.seg_j) - X.index_select(-2, c.seg_i)      # (B, ns, 3)
     dv = V.index_select(-2, c.seg_j) - V.index_select(-2, c.seg_i)
     xi0, xi0dot = rest_lengths(der, u, udot)
-    K = der.EA / xi0 + der.kc                                          # cord: EA/xi0 (kc = 0); spring: kc (EA = 0)
+    K = string_stiffness(der.EA, der.kc, xi0)                          # cord: EA/xi0 (kc = 0); spring: kc (EA = 0)
     Gt = c.G.T                                                          # strings are simple: one segment each
     if xi0dot is not None:
         # a moving rest length: the stretch rate is |dp|' - xi0'; remove xi0' along the spring from dv
