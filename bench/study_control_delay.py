@@ -25,8 +25,9 @@ change the figures. The pieces, each switchable (``Setup``):
   DDS); until then the driver follows the previous plan. Off: 0, aligned.
 * ``lin_age``: the linearisation is the node's (``PlateControllerNode._linearizer``): computed from the state
   available when the previous one finished, along the controller's own plan, ``lin_s`` of compute time, 150 steps
-  long, used at the state's offset into it (``Linearization.step_jacobians``). Off: a fresh 50-step linearisation
-  from the cycle's own state.
+  long, used at the state's offset into it (``Linearization.step_jacobians``), at most one started per
+  ``lin_period_s`` (the node's ``relinearize_period_s``), Jacobians every ``jac_stride`` steps, the nominal from
+  ``nominal`` (twin | engine). Off: a fresh 50-step linearisation from the cycle's own state.
 
 The MPC call is the node's ``_cycle``: u_now = the node's last plan at the tick, the plan anchored at the state's
 stamp, elapsed = the time between the states of two cycles, age = tick - stamp, ``MPCOptions`` defaults unless
@@ -84,6 +85,9 @@ class Setup:
     tick_phase_s: float = 0.003
     lin_s: float = 0.1
     lin_steps_extra: int = 100      # nominal_margin_s 1.0 / dt
+    lin_period_s: float = 0.0       # shortest time between two linearisations' starts (relinearize_period_s)
+    jac_stride: int = 10            # Jacobians every n prediction steps (plate_controller.yaml jac_stride)
+    nominal: str = "twin"           # the linearisation's nominal: twin | engine | frozen (plate_controller nominal)
     assumed_plan_latency_s: object = None   # keep the previous plan's commands until this after the tick (u_applied)
     model_error: float = 0.0        # truth = nominal with stiffnesses and dampings x (1 + e N(0, 1))
     seed: int = 0
@@ -152,7 +156,7 @@ def run(setup: Setup, verbose: bool = False):
     limit_blas_threads(1)
     S = setup
     s = load_structure(CONFIG_DIR / "models" / "stacked_manipulator.yaml")
-    core = HorizonPredictor(s, dt=0.01, nominal="twin", jac_stride=10)
+    core = HorizonPredictor(s, dt=0.01, nominal=S.nominal, jac_stride=S.jac_stride)
     omap = PlateOutputMap.from_structure(s)
     names = s.node_names
     virtual = {c.nodes[1] for c in s.constraints if isinstance(c, CoincidentConstraint)}
@@ -204,6 +208,7 @@ def run(setup: Setup, verbose: bool = False):
     goal = u_rest.copy()
     states = []                            # (stamp, positions (seen), velocities (seen))
     lin, lin_job = None, None              # available linearisation; (finish time, Linearization) in progress
+    lin_started = -math.inf                # when the latest linearisation started (lin_period_s)
     last_stamp = None
     errs, ang_errs, scored, n_hold, n_active, lin_ages, vel_err = [], [], [], 0, [], [], []
 
@@ -270,8 +275,8 @@ def run(setup: Setup, verbose: bool = False):
                 # the node's linearizer: woken by every state, it starts on the latest one whenever it is free
                 if lin_job is not None and lin_job[0] <= t + 1e-12:
                     lin, lin_job = lin_job[1], None
-                if lin_job is None:
-                    lin_job = (t + S.lin_s, linearize(states[-1]))
+                if lin_job is None and t >= lin_started + S.lin_period_s - 1e-12:
+                    lin_job, lin_started = (t + S.lin_s, linearize(states[-1])), t
             continue
         if kind == "driver":
             motor_to(t)

@@ -240,18 +240,19 @@ def limit_blas_threads(n: int = 1) -> List[str]:
     return done
 
 
-def set_niceness(nice: int) -> Tuple[bool, int, str]:
-    """Set this process's niceness to ``nice`` (absolute, -20..19). Lowering the priority always works; raising
-    it (below the current value, e.g. a negative niceness for the simulated robot and driver) needs root,
-    CAP_SYS_NICE or an RLIMIT_NICE (``ulimit -e``, /etc/security/limits.conf). Returns (done, the niceness now,
-    what happened, for logs and summaries); never raises."""
+def set_niceness(nice: int, pid: int = 0) -> Tuple[bool, int, str]:
+    """Set the niceness of this process (``pid`` 0) or of process ``pid`` (its main thread: where a worker
+    process computes) to ``nice`` (absolute, -20..19). Lowering the priority always works for one's own
+    processes; raising it (below the current value, e.g. a negative niceness for the simulated robot and driver)
+    needs root, CAP_SYS_NICE or an RLIMIT_NICE (``ulimit -e``, /etc/security/limits.conf). Returns (done, the
+    niceness now, what happened, for logs and summaries); never raises."""
     nice = max(-20, min(19, int(nice)))
     try:
-        before = os.getpriority(os.PRIO_PROCESS, 0)
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        before = os.getpriority(os.PRIO_PROCESS, pid)
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
         return True, nice, f"niceness {before} -> {nice}"
     except (OSError, AttributeError) as e:
-        now = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
+        now = os.getpriority(os.PRIO_PROCESS, pid) if hasattr(os, "getpriority") else 0
         return False, now, (f"cannot set niceness {nice} ({getattr(e, 'strerror', None) or e}); staying at {now}: "
                             "needs root, CAP_SYS_NICE or a nice limit (ulimit -e)")
 

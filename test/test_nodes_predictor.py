@@ -76,9 +76,15 @@ def test_motor_future_sources():
     fut.observe(10.0, ["m2", "m1"], [0.2, 0.1])
     np.testing.assert_allclose(fut.angles([10.0, 11.0]), [[0.1, 0.2], [0.1, 0.2]])   # hold
     plan = MotorPlan(10.0 + np.arange(3) * 0.5, ("m1",), np.array([[0.0], [1.0], [2.0]]), received=10.0)
+    key_hold = fut.relinearize_key
     fut.set_plan(plan)
     np.testing.assert_allclose(fut.angles([10.25, 12.0]), [[0.5, 0.2], [2.0, 0.2]])  # plan, m2 held
     assert fut.active == "plan"
+    key_plan = fut.relinearize_key
+    assert key_plan != key_hold                                          # hold -> plan: a new nominal at once
+    fut.set_plan(MotorPlan(plan.times, ("m1",), plan.angles + 0.1, received=10.1))
+    fut.angles([10.3])
+    assert fut.relinearize_key == key_plan    # a new plan from the same source: the usual period rule
     fut.observe(12.0, ["m1", "m2"], [2.0, 0.2])                         # plan over and stale -> hold
     fut.angles([12.5])
     assert fut.active == "hold"
@@ -326,6 +332,11 @@ def test_predictor_node_roundtrip(rclpy_context, ros_executor, make_node, twin_r
                                                                                                "m2.angle"]
         A = np.array(r.a_matrices).reshape(10, 12, 12)
         assert np.all(np.isfinite(A)) and np.abs(A).max() > 0.1
+
+        # the relinearisation rule is settable at run time (the controller demo slows it down)
+        assert all(r.successful for r in node.set_parameters([Parameter("relinearize_period_s", value=4.0),
+                                                              Parameter("relinearize_max_age_s", value=6.0)]))
+        assert (node.stream.period_s, node.stream.max_age_s) == (4.0, 6.0)
     finally:
         ros_executor.remove_node(node)
         node.destroy_node()

@@ -98,6 +98,18 @@ def tracking_errors(stamps, poses, target: ControlTarget, t0: float, window=(0.0
     return rel[keep], np.linalg.norm(d[:, :3], axis=1), ang
 
 
+def mean_pose(poses) -> np.ndarray:
+    """(6,) mean of plate poses (T, 6) [x, y, z, yaw, pitch, roll]; the angles averaged as wrapped deviations
+    from the first pose (a yaw near +-pi must not average to 0)."""
+    p = np.asarray(poses, dtype=float)
+    if p.ndim != 2 or p.shape[0] == 0 or p.shape[1] != 6:
+        raise ValueError(f"poses must be (T, 6) with T >= 1, got {p.shape}")
+    out = p.mean(axis=0)
+    d = (p[:, 3:] - p[0, 3:] + np.pi) % (2 * np.pi) - np.pi
+    out[3:] = (p[0, 3:] + d.mean(axis=0) + np.pi) % (2 * np.pi) - np.pi
+    return out
+
+
 def plan_violations(angles: np.ndarray, dt: float, lower, upper, max_rate: float, tol: float = 1e-9) -> int:
     """Plan points (K, A) outside [lower, upper] plus consecutive steps faster than ``max_rate`` (rad/s)."""
     a = np.asarray(angles, dtype=float)
@@ -134,6 +146,7 @@ def _make_probe(graph, controller, structure):
             self.violations = 0
             self.bad_plans = 0
             self.pub = self.create_publisher(PoseArray, "/tensegrity/plate_target_trajectory", 10)
+            self.pub_plan = self.create_publisher(controller._plan_cls, TOPICS["motor_plan"], 10)
             self.error = ""
             self.create_subscription(controller._plan_cls, TOPICS["motor_plan"], self._guard(self._on_plan), 10)
             self.create_timer(1.0 / PUBLISH_HZ, self._guard(self._publish))
@@ -149,7 +162,19 @@ def _make_probe(graph, controller, structure):
         def start(self, target: ControlTarget, t0: float) -> None:
             self.target, self.t0 = target, t0
 
+        def hold(self, angles: Optional[np.ndarray]) -> None:
+            """Publish plans that hold ``angles`` (A,) rad (None: stop), 10 Hz, each 2 s long: the rest-pose
+            measurement before the control phases."""
+            self.hold_angles = None if angles is None else np.asarray(angles, dtype=float)
+
+        hold_angles: Optional[np.ndarray] = None
+
         def _publish(self) -> None:
+            if self.hold_angles is not None:
+                now = self.get_clock().now().nanoseconds * 1e-9
+                steps = int(round(2.0 / controller.core.dt))
+                self.pub_plan.publish(controller._plan_msg(now, np.repeat(self.hold_angles[None], steps, 0)))
+                return
             if self.target is None:
                 return
             now = self.get_clock().now().nanoseconds * 1e-9
@@ -201,20 +226,80 @@ def _plate_pose_series(mon, names, since: float):
 
 #: the online identifier's duty cycle during the control phases: after an update of T s it rests 99 T
 PAUSED_DUTY = 0.01
+#: the state predictor's relinearisation period during the control phases (its yaml: 2 s)
+CONTROL_PREDICTOR_PERIOD_S = 6.0
+#: the state predictor's worker's niceness during the control phases (its yaml: -5): below the controller's (-5)
+CONTROL_PREDICTOR_NICE = 10
 
 
-def _pause_identification(graph) -> None:
-    """Freeze the identified set for the scored phases: the controller's "identified" model stays the set
-    identification ended with (a set accepted mid-phase would change the model being scored), and the identifier's
-    worker leaves its share of the 2 cores to the rest. Measured once each way (2026-11-26, nothing else running):
-    motor states delivered 98.6 -> 99.7 %, predictions per node state 92.4 -> 99.5 %, prediction latency p99 35.6
-    -> 28.2 ms; the controller itself still held 270-327 of its cycles (stale states, late linearisations)."""
+def _quiet_background(graph) -> None:
+    """Free the 2 cores for the control path during the scored phases.
+
+    The online identifier pauses: the controller's "identified" model stays the set identification ended with
+    (a set accepted mid-phase would change the model being scored), and its worker leaves its share of the
+    cores. Measured once each way (2026-11-26, nothing else running): motor states delivered 98.6 -> 99.7 %,
+    predictions per node state 92.4 -> 99.5 %, prediction latency p99 35.6 -> 28.2 ms.
+
+    The state predictor relinearises every CONTROL_PREDICTOR_PERIOD_S instead of 2 s: the controller takes its
+    own linearisation, and the predictor's predictions (still published for every node state, scored by the
+    health) are not on the control path, and its worker drops below the controller's (CONTROL_PREDICTOR_NICE;
+    the controller's is at -5, below the graph's callbacks at -10). Why (2026-11-26, per-thread CPU): the
+    graph's executor thread ran at 0.70-0.78 of a core, its fair share next to the simulated robot (-10) and two
+    always-runnable workers at -5, and node states reached the controller 0.25 s (up to 4 s) after their stamps;
+    before the control phases they took 6-9 ms. With both workers at 5 the states were on time (20 ms p50) but
+    the controller's linearisations took 1.2 s (p50) and 49 % of its cycles held on a linearisation too old."""
     from rclpy.parameter import Parameter
     node = graph.nodes.get("online_identifier")
     if node is not None:
         node.set_parameters([Parameter("max_duty", value=PAUSED_DUTY)])
-        sys.stderr.write(f"tensegrity demo --controller: identification paused for the control phases (online "
-                         f"identifier max_duty {PAUSED_DUTY}); the identified set is frozen\n")
+    pred = graph.nodes.get("state_predictor")
+    nice = ""
+    if pred is not None:
+        pred.set_parameters([Parameter("relinearize_period_s", value=CONTROL_PREDICTOR_PERIOD_S),
+                             Parameter("relinearize_max_age_s", value=CONTROL_PREDICTOR_PERIOD_S + 2.0)])
+        if getattr(pred, "worker_pid", None):
+            from ..workers import set_niceness
+            nice = f", its worker's {set_niceness(CONTROL_PREDICTOR_NICE, pred.worker_pid)[2]}"
+    sys.stderr.write(f"tensegrity demo --controller: for the control phases, identification paused (online "
+                     f"identifier max_duty {PAUSED_DUTY}; the identified set is frozen) and the state predictor "
+                     f"relinearising every {CONTROL_PREDICTOR_PERIOD_S:g} s{nice}\n")
+
+
+#: the rest-pose measurement: the motors held at zero this long, the plate's pose averaged over the last
+#: REST_AVERAGE_S of it (the strings' modes are 4-37 Hz and damped: settled well before)
+REST_HOLD_S = 5.0
+REST_AVERAGE_S = 1.5
+
+
+def _measure_rest_pose(controller, probe, angles: np.ndarray, progress) -> np.ndarray:
+    """The plate's rest pose as a lab measures it: the motors held at ``angles`` through the driver (plans on
+    /tensegrity/motor_plan), C2's pose in C0 from the node states (mocap) averaged over the last seconds.
+
+    Why not the nominal model's rest pose: with the true robot's stiffnesses ~20 % off, it sits 32 mm and 2.6 deg
+    (yaw) from the true rest pose (seed 0), and the yaw gain is 2-7 mrad per rad of motor: a target circle about
+    the nominal pose needs motor angles far past the limits. The first runs with that centre held 40-56 limit
+    rows active on every cycle and a 3-deg angle error that no model could remove."""
+    probe.hold(angles)
+    wall0 = time.monotonic()
+    samples = []
+    try:
+        while (left := REST_HOLD_S - (time.monotonic() - wall0)) > 0:
+            time.sleep(min(0.05, left))
+            if left <= REST_AVERAGE_S:
+                y = controller._present()
+                if y is not None and np.all(np.isfinite(y)):
+                    samples.append(y)
+    finally:
+        probe.hold(None)
+    if len(samples) < 5:
+        raise UserError(f"the plate's rest pose could not be measured: {len(samples)} complete node-state "
+                        f"samples in {REST_AVERAGE_S:g} s (needs 5; are the plate's markers tracked?)")
+    rest = mean_pose(samples)
+    spread = np.max(np.linalg.norm(np.asarray(samples)[:, :3] - rest[:3], axis=1))
+    progress.line(f"control: the plate's rest pose (motors at zero), measured over {REST_AVERAGE_S:g} s: C2 at "
+                  f"({', '.join(f'{v * 1e3:.1f}' for v in rest[:3])}) mm in C0, spread {spread * 1e3:.2f} mm",
+                  final=True)
+    return rest
 
 
 def _control_phase(graph, controller, probe, model: str, target: ControlTarget, progress, label: str) -> dict:
@@ -340,17 +425,19 @@ def run(args) -> int:
         signal.signal(sig, _on_signal)
     progress = D.Progress()
     sys.stderr.write(f"tensegrity demo --controller: starting the graph ({nominal.name}, worker processes warm "
-                     f"up ~10 s); {args.duration:g} s of identification, then {SETTLE_S + TRACK_S:g} s of control "
-                     "with the identified model and as long with the nominal one...\n")
-    # the circle's centre: the NOMINAL model's rest pose (motors at zero), what a user can compute
+                     f"up ~10 s); {args.duration:g} s of identification, {REST_HOLD_S:g} s measuring the plate's rest pose, "
+                     f"then {SETTLE_S + TRACK_S:g} s of control with the identified model and as long with the "
+                     "nominal one...\n")
+    # the nominal model's rest pose (motors at zero): for the summary only. The target's centre is the TRUE
+    # plate's rest pose, measured from mocap before the control phases (_measure_rest_pose: why)
     from .. import frames as F
     from ..twin.sim import TwinSim
 
     sim = TwinSim(nominal)
-    sim.step(np.zeros(len(nominal.actuators)), 1)
+    zero = np.array([a.zero_offset for a in nominal.actuators])
+    sim.step(zero, 1)
     sim.settle(3.0)
-    center = F.manipulator_relative_poses(sim.node_positions(), nominal.node_names)["0C2"]
-    target = ControlTarget(center=center)
+    nominal_rest = F.manipulator_relative_poses(sim.node_positions(), nominal.node_names)["0C2"]
 
     graph = build_graph(cfg)
     try:
@@ -373,7 +460,8 @@ def run(args) -> int:
             progress.line(text)
         progress.line(text, final=True)
         t_ident_end = controller.now_s()
-        _pause_identification(graph)
+        _quiet_background(graph)
+        target = ControlTarget(center=_measure_rest_pose(controller, probe, zero, progress))
         phases = {"identified": _control_phase(graph, controller, probe, "identified", target, progress,
                                                "identified model")}                              # 2.
         progress.line("", final=True)
@@ -405,7 +493,10 @@ def run(args) -> int:
                                  "total": plan_v + driver_clamped},
             "open_loop_reference": _open_loop_reference(stamps, poses, t_ident_end),
             "hold_at_start_rmse_mm": rms_error(np.linalg.norm(hold[:, :3] - hold[0, :3], axis=1)) * 1e3,
-            "target": target.as_dict(),
+            "target": {**target.as_dict(), "center_from": "the plate's rest pose measured from mocap, motors at zero",
+                       "nominal_rest_offset_mm": float(np.linalg.norm(target.center[:3] - nominal_rest[:3]) * 1e3),
+                       "nominal_rest_offset_deg": [round(math.degrees(v), 3) for v in
+                                                   (target.center[3:] - nominal_rest[3:] + np.pi) % (2 * np.pi) - np.pi]},
             "identification_s": float(args.duration),
             "probe_error": probe.error,          # "" unless the target publisher / plan checker failed
         }

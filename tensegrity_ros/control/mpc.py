@@ -395,18 +395,21 @@ class PlateMPC:
             k0 = applied.shape[0] - 1
         start = applied[k0] if applied is not None else u_now
         motor_now = self._motor_estimate(applied[0] if applied is not None else u_now, elapsed_s)
-        Wc, ebar, motors = self._input_weights(N, s, M, dt, ubar, start, k0, applied, motor_now)
+        Weff, ebar, motors = self._input_weights(N, s, M, dt, ubar, start, k0, applied, motor_now)
+        # each step's input term, for all steps at once: B_k [W_k,0 diag .. W_k,M-1 diag | ebar_k] (N, n, M nu + 1),
+        # then the recurrence is one (n, n) x (n, M nu + 1) product per step (this was a Python loop over the
+        # knots of each step with an np.any per knot: 4 ms of the 15-ms cycle, measured 2026-11-26)
+        BW = np.empty((N, n, M * nu + 1))
+        BW[:, :, :-1] = (B[:, :, None, :] * Weff[:, None, :, :]).reshape(N, n, M * nu)
+        BW[:, :, -1] = np.einsum("knu,ku->kn", B, ebar) + d
         S = np.zeros((n, M * nu + 1))
         S[:, -1] = dx0
-        G = np.empty((N, ny, M * nu + 1))
         Sk = np.empty((N, n, M * nu + 1))
         for k in range(N):
             S = A[k] @ S
-            for j, wj in Wc[k]:         # the step's effective input: a few knots, each weighted per motor
-                S[:, j * nu:(j + 1) * nu] += B[k] * wj[None, :]
-            S[:, -1] += d + B[k] @ ebar[k]
+            S += BW[k]
             Sk[k] = S
-            G[k] = C[k] @ S
+        G = C @ Sk                                                    # (N, ny, M nu + 1)
         # y_k - r_k = G_k[:, :-1] v + g_k
         Gv = G[:, :, :-1]
         g = G[:, :, -1] + ybar[1:] - r[1:]
@@ -518,9 +521,9 @@ class PlateMPC:
         return c, W
 
     def _input_weights(self, N, s, M, dt, ubar, start, k0=0, applied=None, motor_now=None):
-        """The effective input of each step k as a linear function of the plan: Wc[k] = [(block, (A,) weight)],
-        and ebar[k] (A,) = its constant part minus the nominal's (rad); and the motor angles at the points as
-        (constants (N+1, A), weights (N+1, M)).
+        """The effective input of each step k as a linear function of the plan: Weff (N, M, A), the weight of
+        block b's angle of motor a in step k's input of motor a, and ebar[k] (A,) = its constant part minus the
+        nominal's (rad); and the motor angles at the points as (constants (N+1, A), weights (N+1, M)).
 
         Ramp: over step k the motor angle runs from m_k to m_{k+1}: effective input (m_k + m_{k+1}) / 2 +
         rate_gain (m_{k+1} - m_k) / dt. Hold: m_k. The motor angle is the command, or with ``actuator_lag_s``
@@ -545,22 +548,19 @@ class PlateMPC:
         else:
             cm, Wm = c, W
         g = self.rate_gain
-        Wc, ebar = [], np.zeros((N, self.n_u))
-        for k in range(N):
-            if ramp:
-                const = 0.5 * (cm[k] + cm[k + 1]) + g * (cm[k + 1] - cm[k]) / dt
-                w = 0.5 * (Wm[k] + Wm[k + 1])[:, None] + ((Wm[k + 1] - Wm[k]) / dt)[:, None] * g[None, :]
-                nominal = 0.5 * (ubar[k] + ubar[k + 1]) + g * (ubar[k + 1] - ubar[k]) / dt
+        ub = ubar[:N + 1]
+        if ramp:
+            const = 0.5 * (cm[:-1] + cm[1:]) + g * (cm[1:] - cm[:-1]) / dt
+            Weff = 0.5 * (Wm[:-1] + Wm[1:])[:, :, None] + ((Wm[1:] - Wm[:-1]) / dt)[:, :, None] * g[None, None, :]
+            nominal = 0.5 * (ub[:-1] + ub[1:]) + g * (ub[1:] - ub[:-1]) / dt
+        else:
+            if lag > 0:
+                const, wv = 0.5 * (cm[:-1] + cm[1:]), 0.5 * (Wm[:-1] + Wm[1:])
             else:
-                if lag > 0:
-                    const, wv = 0.5 * (cm[k] + cm[k + 1]), 0.5 * (Wm[k] + Wm[k + 1])
-                else:
-                    const, wv = cm[k], Wm[k]
-                w = np.repeat(wv[:, None], self.n_u, 1)
-                nominal = ubar[k]
-            ebar[k] = const - nominal
-            Wc.append([(j, w[j]) for j in range(M) if np.any(w[j] != 0.0)])
-        return Wc, ebar, (cm, Wm)
+                const, wv = cm[:-1], Wm[:-1]
+            Weff = np.repeat(wv[:, :, None], self.n_u, 2)
+            nominal = ub[:-1]
+        return Weff, const - nominal, (cm, Wm)
 
     def _step_angles(self, v, start, N, s, k0=0, applied=None):
         """(N, A) commanded angles at the end of each step (ramp) or over it (hold) for the plan v (M, A)."""

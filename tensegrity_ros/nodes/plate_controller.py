@@ -45,6 +45,10 @@ PARAMS = (
     ParamSpec("horizon_s", 0.5, "MPC horizon [s]", range=(0.02, 5.0), read_only=True),
     ParamSpec("nominal_margin_s", 1.0, "nominal length beyond the horizon, so one linearisation serves several "
               "cycles [s]", range=(0.0, 10.0), read_only=True),
+    ParamSpec("relinearize_period_s", 0.1, "shortest time between the starts of two linearisations [s] (each "
+              "costs ~0.15 s of a core alone, more under load)", range=(0.0, 10.0), read_only=True),
+    ParamSpec("jac_stride", 10, "step Jacobians every n prediction steps, linear in between", range=(1, 100),
+              read_only=True),
     ParamSpec("position_tol_m", 0.002, "plate position error that costs 1 per step [m]", range=(1e-5, 1.0)),
     ParamSpec("angle_tol_rad", 0.01745, "plate angle error that costs 1 per step [rad]", range=(1e-5, 1.0)),
     ParamSpec("max_rate_rad_s", 1.0, "plan rate limit [rad/s] (<= the driver's max_rate)", range=(1e-3, 20.0),
@@ -96,8 +100,8 @@ class PlateControllerNode(C.GraphNode):
 
         p = self.p
         self.structure = load_structure(p["model_file"])
-        self.core = HorizonPredictor(self.structure, dt=p["dt"], nominal="twin", jac_stride=10)
-        self.core_options = {"dt": p["dt"], "nominal": "twin", "jac_stride": 10}
+        self.core_options = {"dt": p["dt"], "nominal": "twin", "jac_stride": p["jac_stride"]}
+        self.core = HorizonPredictor(self.structure, **self.core_options)
         self.N = max(1, int(round(p["horizon_s"] / p["dt"])))
         self.block = max(1, int(round(p["control_period_s"] / p["dt"])))
         self.lin_steps = self.N + max(self.block, int(round(p["nominal_margin_s"] / p["dt"])))
@@ -143,8 +147,8 @@ class PlateControllerNode(C.GraphNode):
             self._plan_cls = JointState
         self.pub = self.counting_publisher(self._plan_cls, C.TOPICS["motor_plan"], 10)
         # the linearisation is on the control path: a linearisation older than nominal_margin_s holds the plate.
-        # At niceness 5, below the predictor's worker (-5), it starved in the demo on 2 cores (6.7-14.6 Hz, up to
-        # 399 holds in 30 s); at -5, 20 Hz and no holds (2026-11-26)
+        # worker_nice: below the demo's callbacks (-10), above the predictor's worker during control: why in
+        # config/nodes/plate_controller.yaml
         nice = p["worker_nice"] if p["worker"] == "process" else 0
         self._pool = C.make_worker(p["worker"], C.worker_init, (p["torch_threads"], nice))
         self._key = id(self)
@@ -226,9 +230,16 @@ class PlateControllerNode(C.GraphNode):
 
     # ---- the linearisation (background thread, worker) ----------------------------------------------------------
     def _linearizer(self) -> None:
+        started = -math.inf
         while not self._stop.is_set():
             self._wake.wait(0.5)
             self._wake.clear()
+            # at most one linearisation per relinearize_period_s; its nominal (nominal_margin_s beyond the
+            # horizon) serves the cycles in between (a model switch clears _lin: then at once)
+            if self._lin is not None and self._stop.wait(max(0.0, started + self.p["relinearize_period_s"]
+                                                                 - time.monotonic())):
+                break
+            started = time.monotonic()
             with self._lock:
                 st, values, set_id = self._state, dict(self.values), self.set_id
             model = self.p["model"]
@@ -258,7 +269,8 @@ class PlateControllerNode(C.GraphNode):
                     continue
                 # a late next linearisation: continue this one with its frozen last-step model (bounded, see
                 # Linearization.expand) rather than hold
-                self._lin = lin.expand(self.N)
+                lin.expand(self.N).step_jacobians(0, 1)    # the per-step tables, here and not in a cycle
+                self._lin = lin
                 self.lin_time.add(time.perf_counter() - t_start)
             except Exception as e:  # noqa: BLE001 - a failed linearisation makes the next cycles stale, said so
                 self.get_logger().error(f"linearisation failed: {e}", throttle_duration_sec=5.0)

@@ -183,6 +183,15 @@ class StatePredictorNode(C.GraphNode):
         self._thread.start()
 
     # ---- inputs -------------------------------------------------------------------------------------------
+    #: run-time settable parameters -> the PredictionStream attribute each one sets
+    _STREAM_PARAMS = {"relinearize_period_s": "period_s", "relinearize_max_age_s": "max_age_s",
+                      "relinearize_deviation_m": "deviation_m"}
+
+    def on_parameter_change(self, name, value):
+        if name in self._STREAM_PARAMS:       # read by the background thread at its next decision
+            setattr(self.stream, self._STREAM_PARAMS[name], float(value))
+        return None
+
     def _on_motor_states(self, data: bytes, info=None) -> None:
         self.seq.update_info(C.TOPICS["motor_states"], info)
         r = C.joint_state_from_cdr(data)
@@ -253,7 +262,7 @@ class StatePredictorNode(C.GraphNode):
             if rec is None:
                 continue
             now = time.monotonic()
-            version = (pv, self.future.version)
+            version = (pv, self.future.relinearize_key)
             if not self.stream.wants_relinearization(rec.stamp, now, version):
                 continue
             self.stream.started(now, version)
