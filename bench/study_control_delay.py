@@ -87,7 +87,7 @@ class Setup:
     lin_steps_extra: int = 100      # nominal_margin_s 1.0 / dt
     lin_period_s: float = 0.0       # shortest time between two linearisations' starts (relinearize_period_s)
     jac_stride: int = 10            # Jacobians every n prediction steps (plate_controller.yaml jac_stride)
-    nominal: str = "twin"           # the linearisation's nominal: twin | engine | frozen (plate_controller nominal)
+    nominal: str = "twin"           # the linearisation's nominal: twin | engine (HorizonPredictor nominal)
     assumed_plan_latency_s: object = None   # keep the previous plan's commands until this after the tick (u_applied)
     model_error: float = 0.0        # truth = nominal with stiffnesses and dampings x (1 + e N(0, 1))
     seed: int = 0
@@ -251,7 +251,7 @@ def run(setup: Setup, verbose: bool = False):
         steps = N + (S.lin_steps_extra if S.lin_age else 0)
         times = st[0] + dt * np.arange(steps + 1)
         u = node_plan.at(times, motors, u0) if node_plan is not None else np.repeat(u0[None], times.size, 0)
-        return core.linearize(params, st[0], P, V, u, steps).expand(N)
+        return core.linearize(params, st[0], P, V, u, steps).expand(N).tabulate_steps()
 
     t_wall = time.perf_counter()
     for t, _, kind in events:

@@ -340,3 +340,21 @@ def test_predictor_node_roundtrip(rclpy_context, ros_executor, make_node, twin_r
     finally:
         ros_executor.remove_node(node)
         node.destroy_node()
+
+
+def test_step_jacobian_table_matches_the_interpolated_windows():
+    from tensegrity_ros.predict.horizon import Linearization
+    rng = np.random.default_rng(3)
+    K, n, A_ = 30, 4, 2
+    lin = Linearization(t0=0.0, dt=0.01, x=rng.standard_normal((K + 1, n)), u=np.zeros((K + 1, A_)),
+                        ks=np.array([0, 10, 20, 29]), J=rng.standard_normal((4, n, n + A_)), set_id="", compute_s=0.0)
+    windows = [(0, 5), (7, 12), (25, 10)]                 # the last runs past the end: the last step's held
+    before = [lin.step_jacobians(i0, k) for i0, k in windows]
+    assert lin.tabulate_steps().AB64[0].shape == (K, n, n)
+    for (i0, k), (A0, B0) in zip(windows, before):
+        A1, B1 = lin.step_jacobians(i0, k)
+        np.testing.assert_allclose(A1, A0, rtol=0, atol=1e-14)
+        np.testing.assert_allclose(B1, B0, rtol=0, atol=1e-14)
+    np.testing.assert_allclose(lin.step_jacobians(25, 10)[0][-1], lin.jacobians_at(np.array([K - 1]))[0, :, :n])
+    # between two sampled steps: linear
+    np.testing.assert_allclose(lin.step_jacobians(5, 1)[0][0], 0.5 * (lin.J[0] + lin.J[1])[:, :n], atol=1e-14)

@@ -147,6 +147,7 @@ def _make_probe(graph, controller, structure):
             self.bad_plans = 0
             self.pub = self.create_publisher(PoseArray, "/tensegrity/plate_target_trajectory", 10)
             self.pub_plan = self.create_publisher(controller._plan_cls, TOPICS["motor_plan"], 10)
+            self.hold_angles: Optional[np.ndarray] = None     # the rest-pose measurement's held angles
             self.error = ""
             self.create_subscription(controller._plan_cls, TOPICS["motor_plan"], self._guard(self._on_plan), 10)
             self.create_timer(1.0 / PUBLISH_HZ, self._guard(self._publish))
@@ -166,8 +167,6 @@ def _make_probe(graph, controller, structure):
             """Publish plans that hold ``angles`` (A,) rad (None: stop), 10 Hz, each 2 s long: the rest-pose
             measurement before the control phases."""
             self.hold_angles = None if angles is None else np.asarray(angles, dtype=float)
-
-        hold_angles: Optional[np.ndarray] = None
 
         def _publish(self) -> None:
             if self.hold_angles is not None:
@@ -275,8 +274,9 @@ def _measure_rest_pose(controller, probe, angles: np.ndarray, progress) -> np.nd
     """The plate's rest pose as a lab measures it: the motors held at ``angles`` through the driver (plans on
     /tensegrity/motor_plan), C2's pose in C0 from the node states (mocap) averaged over the last seconds.
 
-    Why not the nominal model's rest pose: with the true robot's stiffnesses ~20 % off, it sits 32 mm and 2.6 deg
-    (yaw) from the true rest pose (seed 0), and the yaw gain is 2-7 mrad per rad of motor: a target circle about
+    Why not the nominal model's rest pose: with the true robot's stiffnesses ~20 % off, it sits 30-32 mm and
+    2.6-3.1 deg (yaw) from the true rest pose (seed 0: the twin settled; as measured here), and the yaw moves
+    2-7 mrad per rad of motor: a target circle about
     the nominal pose needs motor angles far past the limits. The first runs with that centre held 40-56 limit
     rows active on every cycle and a 3-deg angle error that no model could remove."""
     probe.hold(angles)
@@ -425,9 +425,9 @@ def run(args) -> int:
         signal.signal(sig, _on_signal)
     progress = D.Progress()
     sys.stderr.write(f"tensegrity demo --controller: starting the graph ({nominal.name}, worker processes warm "
-                     f"up ~10 s); {args.duration:g} s of identification, {REST_HOLD_S:g} s measuring the plate's rest pose, "
-                     f"then {SETTLE_S + TRACK_S:g} s of control with the identified model and as long with the "
-                     "nominal one...\n")
+                     f"up ~10 s); {args.duration:g} s of identification, {REST_HOLD_S:g} s measuring the plate's "
+                     f"rest pose, then {SETTLE_S + TRACK_S:g} s of control with the identified model and as long "
+                     "with the nominal one...\n")
     # the nominal model's rest pose (motors at zero): for the summary only. The target's centre is the TRUE
     # plate's rest pose, measured from mocap before the control phases (_measure_rest_pose: why)
     from .. import frames as F
@@ -493,10 +493,12 @@ def run(args) -> int:
                                  "total": plan_v + driver_clamped},
             "open_loop_reference": _open_loop_reference(stamps, poses, t_ident_end),
             "hold_at_start_rmse_mm": rms_error(np.linalg.norm(hold[:, :3] - hold[0, :3], axis=1)) * 1e3,
-            "target": {**target.as_dict(), "center_from": "the plate's rest pose measured from mocap, motors at zero",
+            "target": {**target.as_dict(),
+                       "center_from": "the plate's rest pose measured from mocap, motors at zero",
                        "nominal_rest_offset_mm": float(np.linalg.norm(target.center[:3] - nominal_rest[:3]) * 1e3),
                        "nominal_rest_offset_deg": [round(math.degrees(v), 3) for v in
-                                                   (target.center[3:] - nominal_rest[3:] + np.pi) % (2 * np.pi) - np.pi]},
+                                                   (target.center[3:] - nominal_rest[3:] + np.pi) % (2 * np.pi)
+                                                   - np.pi]},
             "identification_s": float(args.duration),
             "probe_error": probe.error,          # "" unless the target publisher / plan checker failed
         }

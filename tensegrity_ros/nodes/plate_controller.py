@@ -269,7 +269,7 @@ class PlateControllerNode(C.GraphNode):
                     continue
                 # a late next linearisation: continue this one with its frozen last-step model (bounded, see
                 # Linearization.expand) rather than hold
-                lin.expand(self.N).step_jacobians(0, 1)    # the per-step tables, here and not in a cycle
+                lin.expand(self.N).tabulate_steps()    # the per-step tables, here and not in a cycle
                 self._lin = lin
                 self.lin_time.add(time.perf_counter() - t_start)
             except Exception as e:  # noqa: BLE001 - a failed linearisation makes the next cycles stale, said so

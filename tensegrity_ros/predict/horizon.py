@@ -141,21 +141,29 @@ class Linearization:
         w = np.clip((idx - ks[j]) / (ks[j + 1] - ks[j]), 0.0, 1.0)[:, None, None]
         return (1.0 - w) * self.J[j] + w * self.J[j + 1]
 
-    def step_jacobians(self, i0: int, steps: int) -> Tuple[np.ndarray, np.ndarray]:
-        """A_k, B_k for k = i0 .. i0+steps-1; past the nominal's end: the last step's (the extension's model).
-
-        Every step's A_k and B_k are interpolated once, on the first call (``AB64``, float64, contiguous), and
-        later calls slice them: the controller asks every cycle for a window of the same linearisation, and
-        interpolating it anew each time was 4.5 ms of a 20-ms cycle (2026-11-26)."""
+    def tabulate_steps(self) -> "Linearization":
+        """Interpolate every step's A_k and B_k once (``AB64``, float64, contiguous), for a user that asks
+        :meth:`step_jacobians` for many windows of the same linearisation: the controller, every cycle
+        (interpolating its window anew each time was 4.5 ms of a 20-ms cycle, 2026-11-26). Costs the memory of
+        all K steps (14 MB for the controller's 150), so the predictor's long nominals do not do it."""
         if self.AB64 is None:
             J = self.jacobians_at(np.arange(self.steps))
             n = self.x.shape[1]
             self.AB64 = (np.ascontiguousarray(J[:, :, :n]), np.ascontiguousarray(J[:, :, n:]))
-        A, B = self.AB64
-        if i0 + steps <= self.steps:
-            return A[i0:i0 + steps], B[i0:i0 + steps]
+        return self
+
+    def step_jacobians(self, i0: int, steps: int) -> Tuple[np.ndarray, np.ndarray]:
+        """A_k, B_k for k = i0 .. i0+steps-1; past the nominal's end: the last step's (the extension's model).
+        Slices of the table when :meth:`tabulate_steps` made one, else interpolated for this window."""
         idx = np.minimum(np.arange(i0, i0 + steps), self.steps - 1)
-        return A[idx], B[idx]
+        if self.AB64 is not None:
+            A, B = self.AB64
+            if i0 >= 0 and i0 + steps <= self.steps:
+                return A[i0:i0 + steps], B[i0:i0 + steps]
+            return A[idx], B[idx]
+        Jk = self.jacobians_at(idx)
+        n = self.x.shape[1]
+        return Jk[:, :, :n], Jk[:, :, n:]
 
 
 class HorizonPredictor:

@@ -178,7 +178,6 @@ class MotorFuture:
         self.plan_timeout_s = plan_timeout_s
         self.last: Optional[np.ndarray] = None
         self.last_t = -math.inf
-        self.version = 0
         self.active = "hold"
         self._lock = threading.Lock()
 
@@ -198,7 +197,6 @@ class MotorFuture:
     def set_plan(self, plan: MotorPlan) -> None:
         with self._lock:
             self.plan = plan
-            self.version += 1
 
     @property
     def relinearize_key(self) -> str:
