@@ -238,7 +238,6 @@ def _step(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], mt: Opt
     B, _, nf = Q.shape
     n = 3 * nf
     tdt = ct.T.dtype
-    eye = torch.eye(n, dtype=tdt, device=Q.device)
     # semi-implicit Euler: V1 = V + h a(Q, V), Q1 = Q + h V1. Phi's column blocks: [coefficients of Q1 | of V1]
     Yv = h * lin.Av.mT
     Yv.diagonal(dim1=-2, dim2=-1).add_(1.0)

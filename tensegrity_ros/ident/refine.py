@@ -1065,7 +1065,6 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
     norm = prob.n_obs * sig2
     nb = prob.B.shape[1]
     KB = prob.K @ prob.B
-    n_w = w.numel()
     has_prior = bool((prob.prior_prec > 0).any())
 
     def f_of(wv, xv):

@@ -258,7 +258,6 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     # non-identifiable directions of H (in w space) -> parameters involved
     unexcited = set()
     weak: List[str] = []
-    wnames = [("+".join(names[k] for k in g) if len(g) > 1 else names[g[0]]) for g in prob.groups]
     if (~keep).any():
         for vv in V[:, ~keep].T:
             zdir = Jz @ vv
