@@ -268,9 +268,6 @@ class StatePredictorNode(C.GraphNode):
             self.stream.started(now, version)
             try:
                 self._relinearize(rec, params, set_id)
-                # keyed by the source the nominal was built with: _relinearize re-locks the reference first,
-                # which can switch hold <-> reference, and that must not ask for a second nominal at once
-                self.stream.started(now, (pv, self.future.relinearize_key))
             except Exception as e:   # keep predicting with the previous nominal; say why
                 if self._stop.is_set():   # the worker was shut down under a running relinearisation
                     break
