@@ -10,8 +10,9 @@ plus the ``plate_controller``, in three phases:
    trajectory on ``/tensegrity/plate_target_trajectory``; its plans go to ``/tensegrity/motor_plan`` and the
    driver follows them through its safety clamps (a plan preempts the reference). The target: ``SETTLE_S`` on the
    circle's start point (not scored), then ``TRACK_S`` scored: C2 on a circle of ``RADIUS_M`` in C0's x-y
-   plane around the plate's rest pose (the NOMINAL model's rest pose with the motors at zero: what a user knows),
-   one lap every ``PERIOD_S``, and a pitch step of ``TILT_DEG`` at ``TILT_AT_S``.
+   plane around the plate's rest pose (measured from mocap with the motors held at zero before this phase,
+   :func:`_measure_rest_pose`), one lap every ``PERIOD_S``, and a pitch step of ``TILT_DEG`` at ``TILT_AT_S``.
+   The background is quieted for phases 2 and 3 (:func:`_quiet_background`).
 3. **Nominal model**, paired: the same controller with ``model: nominal`` (the structure file's parameters; the
    MPC's disturbance estimate, integral and warm start reset at the switch), the same settle and the same
    target.
@@ -256,7 +257,7 @@ def _quiet_background(graph) -> None:
     if pred is not None:
         pred.set_parameters([Parameter("relinearize_period_s", value=CONTROL_PREDICTOR_PERIOD_S),
                              Parameter("relinearize_max_age_s", value=CONTROL_PREDICTOR_PERIOD_S + 2.0)])
-        if getattr(pred, "worker_pid", None):
+        if pred.p["worker"] == "process":     # a thread worker's pid is the graph's own: leave it
             from ..workers import set_niceness
             nice = f", its worker's {set_niceness(CONTROL_PREDICTOR_NICE, pred.worker_pid)[2]}"
     sys.stderr.write(f"tensegrity demo --controller: for the control phases, identification paused (online "

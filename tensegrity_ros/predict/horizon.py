@@ -123,13 +123,13 @@ class Linearization:
 
     @property
     def A(self) -> np.ndarray:
-        """(K, n, n) step Jacobians dx_{k+1}/dx_k (float64, interpolated: :meth:`jacobians_at`)."""
-        return self.jacobians_at(np.arange(self.steps))[:, :, :self.x.shape[1]]
+        """(K, n, n) step Jacobians dx_{k+1}/dx_k (float64, interpolated: the table of :meth:`tabulate_steps`)."""
+        return self.tabulate_steps().AB64[0]
 
     @property
     def B(self) -> np.ndarray:
-        """(K, n, A) step Jacobians dx_{k+1}/du_k (float64, interpolated: :meth:`jacobians_at`)."""
-        return self.jacobians_at(np.arange(self.steps))[:, :, self.x.shape[1]:]
+        """(K, n, A) step Jacobians dx_{k+1}/du_k (float64, interpolated: the table of :meth:`tabulate_steps`)."""
+        return self.tabulate_steps().AB64[1]
 
     def jacobians_at(self, idx: np.ndarray) -> np.ndarray:
         """(len(idx), n, n + A) float64 [A_k | B_k] at steps ``idx`` (0..K-1), linear between the sampled ones."""
@@ -150,6 +150,8 @@ class Linearization:
             J = self.jacobians_at(np.arange(self.steps))
             n = self.x.shape[1]
             self.AB64 = (np.ascontiguousarray(J[:, :, :n]), np.ascontiguousarray(J[:, :, n:]))
+            for table in self.AB64:            # shared by every window handed out: read-only
+                table.flags.writeable = False
         return self
 
     def step_jacobians(self, i0: int, steps: int) -> Tuple[np.ndarray, np.ndarray]:
