@@ -41,6 +41,27 @@ def test_identify_noisy_calibrated_covariance(noisy):
     assert "s1.stiffness" in res.summary()
 
 
+def test_keep_fit_decides_whether_the_steps_after_the_fit_run(noisy):
+    """keep_fit sees stage 2's parameters; False skips the covariance and the model check (the online
+    identifier's rejected fits), True gives the same result as no keep_fit. Stage 2 alone, as online (stage 1
+    has standard deviations of its own)."""
+    s, p, _, ds = noisy
+    prior = p.with_values({"s1.stiffness": 170.0, "s2.stiffness": 230.0})
+    opts = IdentifyOptions.from_flat(known={"rod.mass": 1.0}, window_s=0.3, max_iter=3)
+    seen = []
+    run = dict(prior=prior, options=opts, stages=("refine",))
+    dropped = identify(s, ds, **run, keep_fit=lambda q: seen.append(q.named()) or False)
+    kept = identify(s, ds, **run, keep_fit=lambda q: True)
+    plain = identify(s, ds, **run)
+    assert dropped.ok and kept.ok
+    assert len(seen) == 1 and float(seen[0]["s1.stiffness"]) == dropped.values()["s1.stiffness"]
+    assert dropped.std_devs == {} and dropped.model_mismatch is None and "covariance" not in dropped.timings
+    assert any("skipped" in n for n in dropped.notes)
+    assert kept.std_devs and kept.model_mismatch is not None
+    assert kept.std_devs == pytest.approx(plain.std_devs) and kept.values() == pytest.approx(plain.values())
+    assert dropped.values() == pytest.approx(plain.values())
+
+
 def test_identify_reports_gauge_when_only_ratios_identifiable(noisy):
     s, p, clean, _ = noisy
     res = identify(s, clean.slice(0, 120), stages=("regression",),

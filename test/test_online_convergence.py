@@ -76,6 +76,9 @@ def test_updates_with_the_shipped_config_converge_on_the_stiffnesses(recording):
         if decide(cand, nominal_values, [], accept_config(p)).accept:
             active = {**active, **out.values}
             accepted += 1
+            assert out.std_devs and out.model_check           # a fit that may be published has both
+        elif out.active_window_rms_m <= out.window_rms_m:       # not better held out: no covariance paid
+            assert not out.std_devs and "covariance" not in out.timings
         errors.append(k_err(active))
     print("stiffness median error per update:", " ".join(f"{e:.1%}" for e in errors))
     assert errors[0] > 0.10                                    # the nominal is ~15 % off

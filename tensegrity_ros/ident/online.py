@@ -196,7 +196,8 @@ class DriftDetector:
     more than ``stable_fraction`` (relative, any parameter). Drift: the median of the last ``window`` fit
     residuals exceeds ``ratio`` x baseline. Moved strings: string parameters (stiffness, damping,
     rest_length) of the latest fit that differ from the active set by more than max(moved_sigma x std,
-    moved_fraction x |value|). Pure Python.
+    moved_fraction x |value|); a fit the node did not keep carries no std (its covariance is skipped,
+    :func:`fit_window`), so only moved_fraction applies to it. Pure Python.
     """
 
     def __init__(self, string_names: Sequence[str], ratio: float = 1.5, window: int = 5,
@@ -394,7 +395,8 @@ def fit_window(structure: Structure, times, positions, valid, motors, prior_valu
     ``holdout_window_s`` in the held-out part, from the same measured starts (``holdout_mse``,
     ``active_holdout_mse``: per-window mean squared errors, m^2; ``window_rms_m``, ``active_window_rms_m``:
     their RMS). :func:`decide` accepts the fit only if it is better there by a margin the data support
-    (``accept``: the node's acceptance rules, :func:`accept_config`).
+    (``accept``: the node's acceptance rules, :func:`accept_config`). The scoring runs right after stage 2,
+    and the covariance and model check only for a fit that is better there (the others carry no std_devs).
 
     Nested: the fit's kinds are taken in the order :data:`NESTED_KINDS`, each group only if the held-out
     prediction with it is significantly better than without it (the others stay at the active set's values);
@@ -419,17 +421,12 @@ def fit_window(structure: Structure, times, positions, valid, motors, prior_valu
 
         ds, held = part(fit_sel, "online window"), part(hold_sel, "held-out part")
         prior = params_from_structure(structure).with_values(dict(prior_values))
-        res = pipeline.identify(structure, ds, stages=stages, options=options, prior=prior)
-        out = {"ok": res.ok, "error": "" if res.error is None else f"{type(res.error).__name__}: {res.error}",
-               "values": res.values(), "std_devs": dict(res.std_devs), "identifiability": dict(res.identifiability),
-               "residual_m": float(res.residual_rms_m), "converged": bool(res.converged),
-               "timings": dict(res.timings), "notes": list(res.notes),
-               **({} if res.model_mismatch is None else {"model_check": res.model_mismatch.status,
-                                                         "model_check_line": res.model_mismatch.line()})}
-        if res.ok:   # the fit and the active set, open loop over the held-out windows: is the fit better?
+        kinds = [k for k in NESTED_KINDS if k in tuple(options.regression.estimate)]
+        scored: Dict[str, object] = {}
+
+        def score(values: Dict[str, float]) -> Dict[str, object]:
+            """The fit and the active set, open loop over the held-out windows: is the fit better?"""
             ts = time.perf_counter()
-            values = res.values()
-            kinds = [k for k in NESTED_KINDS if k in tuple(options.regression.estimate)]
             # nested candidates: the fit's values of the first j kinds, the rest kept at the active set's
             nested = [{n: v for n, v in values.items() if kind_of(n) in kinds[:j]}
                       for j in range(1, len(kinds) + 1)] or [values]
@@ -446,14 +443,36 @@ def fit_window(structure: Structure, times, positions, valid, motors, prior_valu
                                "data than without them)")
                     break
             j = len(mses) - 1 if choice is None else choice
-            out["values"] = nested[j]
-            fit_mse = mses[j]
-            out["notes"] += why
-            out.update(holdout_mse=tuple(float(x) for x in fit_mse),
-                       active_holdout_mse=tuple(float(x) for x in act_mse),
+            return dict(fit=values, better=choice is not None, values=nested[j], why=why,
+                        holdout_mse=tuple(float(x) for x in mses[j]),
+                        active_holdout_mse=tuple(float(x) for x in act_mse), kinds_taken=tuple(kinds[:j + 1]),
+                        seconds=time.perf_counter() - ts)
+
+        def keep_fit(params) -> bool:
+            # scored before the covariance and the model check: most online fits are not better than the
+            # active set, and those steps were ~20 % of an update that is then thrown away
+            scored.update(score({n: float(v) for n, v in params.named().items()}))
+            return bool(scored["better"])
+
+        res = pipeline.identify(structure, ds, stages=stages, options=options, prior=prior, keep_fit=keep_fit)
+        out = {"ok": res.ok, "error": "" if res.error is None else f"{type(res.error).__name__}: {res.error}",
+               "values": res.values(), "std_devs": dict(res.std_devs), "identifiability": dict(res.identifiability),
+               "residual_m": float(res.residual_rms_m), "converged": bool(res.converged),
+               "timings": dict(res.timings), "notes": list(res.notes),
+               **({} if res.model_mismatch is None else {"model_check": res.model_mismatch.status,
+                                                         "model_check_line": res.model_mismatch.line()})}
+        if res.ok:
+            seconds = scored.get("seconds", 0.0)
+            if scored.get("fit") != out["values"]:   # changed after scoring (a prior-dominated value reset)
+                scored.update(score(out["values"]))
+                seconds += scored["seconds"]
+            out["values"] = scored["values"]
+            out["notes"] += scored["why"]
+            fit_mse, act_mse = np.asarray(scored["holdout_mse"]), np.asarray(scored["active_holdout_mse"])
+            out.update(holdout_mse=scored["holdout_mse"], active_holdout_mse=scored["active_holdout_mse"],
                        window_rms_m=float(np.sqrt(np.mean(fit_mse))),
-                       active_window_rms_m=float(np.sqrt(np.mean(act_mse))), kinds_taken=tuple(kinds[:j + 1]))
-            out["timings"]["held_out_scoring"] = time.perf_counter() - ts
+                       active_window_rms_m=float(np.sqrt(np.mean(act_mse))), kinds_taken=scored["kinds_taken"])
+            out["timings"]["held_out_scoring"] = seconds
         return FitResult(**out, seconds=time.perf_counter() - t0)
     except Exception as e:   # a refused window (e.g. non-finite motor angles): no set, say why
         return FitResult(ok=False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)

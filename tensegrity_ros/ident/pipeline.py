@@ -399,8 +399,8 @@ def recording_residuals(ref: RefineResult, datasets: Sequence[Dataset]) -> List[
 
 def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *,
              stages: Sequence[str] = STAGES, options: IdentifyOptions = IdentifyOptions(),
-             prior: Optional[Params] = None, callback: Optional[Callable[[Dict[str, Any]], Any]] = None
-             ) -> IdentificationResult:
+             prior: Optional[Params] = None, callback: Optional[Callable[[Dict[str, Any]], Any]] = None,
+             keep_fit: Optional[Callable[[Params], bool]] = None) -> IdentificationResult:
     """Identify the parameters of ``structure`` from ``dataset`` (one recording or several).
 
     stages: any of ``regression`` (closed-form stage 1) and ``refine`` (stage 2 through engine rollouts),
@@ -410,6 +410,9 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
     after the fit (covariance, model_check, held_out; its return value ignored there).
     Several datasets (recordings of one robot) are fitted jointly: their windows are pooled into one problem,
     each keeping its own time base; ``IdentificationResult.recordings`` gives each one's residual.
+    keep_fit(params): asked with stage 2's parameters before the steps after the fit; when it returns False
+    they are skipped (no standard deviations, no model check; a note says so). The online identifier scores a
+    fit on its own held-out data there, and pays for the covariance only for a fit it may publish.
     """
     opts = options
     bad = [s for s in stages if s not in STAGES]
@@ -549,7 +552,11 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                 timings["refine"] = time.perf_counter() - ts
                 if not _finite(params) or not math.isfinite(ref.loss):
                     raise DivergenceError("stage 2 produced non-finite parameters")
-                if opts.covariance:
+                after_fit = keep_fit is None or bool(keep_fit(params))
+                if not after_fit:
+                    notes.append("the steps after the fit (covariance, model check, held-out check) were skipped: "
+                                 "the caller does not keep this fit")
+                if opts.covariance and after_fit:
                     ts = time.perf_counter()
                     _announce(callback, "covariance", "standard deviations (Gauss-Newton covariance, sandwich)")
                     from .uncertainty import gauss_newton_covariance
@@ -568,19 +575,19 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     timings["covariance"] = time.perf_counter() - ts
                 recordings = recording_residuals(ref, datasets)
                 # the stage-1 values of parameters stage 2 did not free are kept; rest lengths etc. updated
-                if opts.model_check:
+                if opts.model_check and after_fit:
                     ts = time.perf_counter()
                     _announce(callback, "model_check", "model check (residual against the marker noise)")
                     mismatch = model_check(ref, datasets, opts.mismatch, calibration.get("gn_rss_decrease_m2"))
                     timings["model_check"] = time.perf_counter() - ts
-                if opts.prior_dominated_ratio is not None and fopts.prior_std:
+                if opts.prior_dominated_ratio is not None and fopts.prior_std and after_fit:
                     center = {n: float(v) for n, v in (fopts.prior_center if fopts.prior_center is not None
                                                        else start).named().items()}
                     dominated = prior_dominated(std, center, fopts.prior_std, opts.prior_dominated_ratio)
                     if dominated:
                         params = params.with_values({n: center[n] for n in dominated})
                         std.update({n: p for n, (_, p) in dominated.items()})
-                if opts.heldout_check:
+                if opts.heldout_check and after_fit:
                     ts = time.perf_counter()
                     _announce(callback, "held_out", "held-out check (the fit and the nominal on unseen windows)")
                     heldout = compare_on_held_out(held_prob, params, prior, fit_delay_s=delay,
