@@ -501,28 +501,23 @@ def accept_config(p: Mapping[str, object]) -> AcceptConfig:
 def update_options(p: Mapping[str, object], nominal_params, first: bool = False):
     """(stages, IdentifyOptions) of one update from the node's parameters ``p`` (a plain mapping, so tests and
     offline replays run exactly what the node runs). ``first``: no set accepted yet (the active set is the
-    nominal, ~20 % off): ``first_update_iterations``, ``first_update_windows`` and ``first_update_max_s``
-    instead of ``stage2_iterations``, ``stage2_max_windows`` and ``max_update_s``. Two iterations from that far
-    off, or a fit cut short by the 20-s budget on a shared CPU, left the stiffnesses at a common scale 25-35 %
-    too high (the shape right): a set that predicts better than the nominal, but lies further from the truth.
-    And the first set stays until one predicts the held-out data clearly better, which a set a few % closer to
-    the truth does not (its gain is noise-level): on 4 windows of 0.1 s the first set of one demo run was 5.0 %
-    off and stayed so; replayed from its bag with 16 windows it was 0.75 % off, for 30 % more time (more
-    windows cost little per step: the engine's step time is mostly fixed overhead at this batch size)."""
+    nominal, ~20 % off): ``first_update_iterations`` and ``first_update_max_s`` instead of ``stage2_iterations``
+    and ``max_update_s``. Two iterations from that far off, or a fit cut short by the 20-s budget on a shared
+    CPU, left the stiffnesses at a common scale 25-35 % too high (the shape right): a set that predicts better
+    than the nominal, but lies further from the truth."""
     from . import pipeline
 
     stages = (("regression",) if p["stage1"] or p["stage2_iterations"] == 0 else ()) + \
         (("refine",) if p["stage2_iterations"] > 0 else ())
     prior_std = {k: float(v) for k, v in zip(("stiffness", "damping", "mass", "rest_length"), p["prior_std"])
                  if v > 0}
-    windows = p["first_update_windows"] if first else p["stage2_max_windows"]
     options = pipeline.IdentifyOptions.from_flat(
-        estimate=tuple(p["estimate"]), window_s=p["stage2_window_s"], max_windows=windows,
+        estimate=tuple(p["estimate"]), window_s=p["stage2_window_s"], max_windows=p["stage2_max_windows"],
         max_iter=max(1, p["first_update_iterations"] if first else p["stage2_iterations"]),
         max_time_s=p["first_update_max_s"] if first else p["max_update_s"], delay_s=p["delay_s"],
         noise_std_m=p["noise_std_m"] or None, device=p["device"], num_threads=p["torch_threads"],
         # the covariance costs one more Jacobian: half the windows (information scaled up) keeps updates short
-        covariance_windows=max(1, windows // 2), prior_std=prior_std,
+        covariance_windows=max(1, p["stage2_max_windows"] // 2), prior_std=prior_std,
         prior_center=nominal_params,
         refine={"jacobian": p["stage2_jacobian"]}, regression={"max_samples": int(p["stage1_max_samples"])})
     return stages, options
