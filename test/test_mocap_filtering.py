@@ -92,6 +92,19 @@ def test_smooth_derivatives_error_bound(order):
     assert err_a < 0.25, err_a
 
 
+def test_smooth_derivatives_the_same_in_chunks(monkeypatch):
+    """Samples are fitted a chunk at a time (bounded memory on long recordings): chunks of 7 samples give the
+    same result as one chunk, gaps included."""
+    from tensegrity_ros.mocap import filtering
+    t, X, _, _, valid, _ = _signal()
+    whole = smooth_derivatives(t, X, valid)
+    monkeypatch.setattr(filtering, "_CHUNK_ELEMENTS", 7 * 25 * X.shape[1] * 3)
+    parts = smooth_derivatives(t, X, valid)
+    assert np.array_equal(whole.valid, parts.valid) and whole.valid.any() and not whole.valid.all()
+    for a, b in zip(whole[:3], parts[:3]):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15)
+
+
 def test_smooth_derivatives_exact_on_polynomials_and_shapes():
     t = np.sort(np.random.default_rng(2).uniform(0, 1, 300))
     x = 1 + 2 * t - 3 * t ** 2 + 0.5 * t ** 3

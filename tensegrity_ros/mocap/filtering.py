@@ -208,6 +208,10 @@ class Derivatives(NamedTuple):
     valid: np.ndarray
 
 
+#: elements of one chunk's gathered windows in :func:`smooth_derivatives` (~32 MB of float64)
+_CHUNK_ELEMENTS = 4_000_000
+
+
 def smooth_derivatives(t, x, valid=None, *, window_s: float = 0.2, order: int = 2,
                        min_samples: Optional[int] = None) -> Derivatives:
     """Local weighted polynomial fits (irregular-stamp Savitzky-Golay) for offline identification.
@@ -256,7 +260,7 @@ def smooth_derivatives(t, x, valid=None, *, window_s: float = 0.2, order: int = 
     Wm = int((hi - lo).max()) if T else 0
     # every sample's window padded to the widest one, a chunk of samples at a time (a Python loop per sample
     # was 0.13 s for a 7-s window of the manipulator, paid by every online update, twice)
-    chunk = max(1, int(4e6 // max(1, Wm * K * X.shape[2])))
+    chunk = max(1, int(_CHUNK_ELEMENTS // max(1, Wm * K * X.shape[2])))
     for c0 in range(0, T, chunk):
         rows = np.arange(c0, min(T, c0 + chunk))
         idx = lo[rows, None] + np.arange(Wm)[None, :]                  # (n, Wm)
@@ -276,7 +280,7 @@ def smooth_derivatives(t, x, valid=None, *, window_s: float = 0.2, order: int = 
         A = s[:, :, None] ** powers                                   # (n, Wm, p)
         Wt = w[:, :, None] * m                                        # (n, Wm, K)
         n, D = rows.size, X.shape[2]
-        # the normal equations as batched matrix products (a three-operand einsum ran its loops in Python)
+        # the normal equations as batched matrix products (a three-operand einsum runs unoptimised, no BLAS)
         G = (Wt.transpose(0, 2, 1) @ (A[:, :, :, None] * A[:, :, None, :]).reshape(n, Wm, p * p))
         G = G.reshape(n, K, p, p)[good]
         WX = (Wt[:, :, :, None] * Xz[idx]).reshape(n, Wm, K * D)
