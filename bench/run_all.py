@@ -4,6 +4,9 @@ Each bench module exposes ``run(...) -> dict`` and writes its own JSON; this scr
 prints a one-screen summary of the headline figures next to their targets, and writes
 ``build/bench/summary.json``. Speed lives here, never in timed test assertions.
 
+Exit status, like ``tensegrity demo``'s: 0 when every headline target is met, 3 when one is missed (the last line
+names them; every figure is still printed and written), 1 when a bench failed to run.
+
     python bench/run_all.py [--quick] [--only engine,hardware,identification,graph,generality,control,sysid,scaling]
 """
 from __future__ import annotations
@@ -124,19 +127,30 @@ def main(argv=None) -> int:
     print("\n" + "=" * 96)
     print(f"{'headline':<52}{'measured':>14}  {'target':>8}  met")
     print("-" * 96)
+    missed, judged = [], 0
     for bench, path, label, target, ok in HEADLINES:
         if bench not in results:
             continue
         v = _lookup(results[bench], path)
         shown = "n/a" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
         met = "" if v is None else ("yes" if ok(v) else "NO")
+        judged += v is not None
+        if met == "NO":
+            missed.append(f"{label} {shown} (target {target})")
         print(f"{label:<52}{shown:>14}  {target:>8}  {met}")
     for name, why in failures.items():
         print(f"{name:<52}{'FAILED':>14}  {why}")
-    (OUT / "summary.json").write_text(json.dumps({"quick": args.quick, "results": results, "failures": failures},
-                                                 indent=2, default=str))
+    (OUT / "summary.json").write_text(json.dumps({"quick": args.quick, "results": results, "failures": failures,
+                                                  "missed": missed}, indent=2, default=str))
     print(f"\nfigures: {OUT}/*.json")
-    return 1 if failures else 0
+    if failures:
+        print(f"bench: FAILED to run: {', '.join(failures)} (exit 1)")
+        return 1
+    if missed:
+        print(f"bench: {len(missed)} of {judged} headline targets missed: {'; '.join(missed)} (exit 3)")
+        return 3
+    print(f"bench: all {judged} headline targets met")
+    return 0
 
 
 if __name__ == "__main__":
