@@ -14,9 +14,12 @@ of 3-bar prisms with a composite actuated string, a 6-bar icosahedron welded at 
    stiffness=0.2,damping=0.2,mass=0.02,rest_length=0.002``); everything else default;
 3. score the identified file against the truth: median |error| per kind (relative to the true value; rest lengths
    in mm), next to the nominal's, the fraction of parameters whose truth lies inside the reported +-2 sigma, the
-   z-score RMS per kind, and the wall time of identify.
+   z-score RMS per kind, and the wall time of identify;
+4. identify again from the nominal with the actuated strings' ``stiffness_law`` swapped (cord <-> spring: the
+   wrong law): the string-law check (``ident/lawcheck.py``) should name the swapped file, and not the right one.
 
     python bench/bench_generality.py [--only prism4_fixed,...] [--seed 0] [--duration 12] [--from-truth]
+                                     [--no-wrong-law]
 
 ``run(...) -> dict`` is what ``bench/run_all.py`` calls (``generality``; 2 min 29 s for the three structures on the
 2-core machine, a helper's study sharing it part of the time, 2026-11-26).
@@ -24,7 +27,8 @@ of 3-bar prisms with a composite actuated string, a 6-bar icosahedron welded at 
 Writes build/bench/generality.json (and each recording and identify log under build/bench/generality/). Exits 1 when
 a target of item 6 is missed: every kind better than the nominal; stiffness median < 5 %, damping < 15 %,
 mass < 3 %, rest length < 1 mm; >= 90 % inside +-2 sigma (and with ``--from-truth``: started from the truth, every
-parameter stays inside its +-2 sigma).
+parameter stays inside its +-2 sigma; unless ``--no-wrong-law``: the string-law check names the swapped file and
+not the right one).
 """
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ from typing import Optional, Sequence
 from tensegrity_ros.paths import REPO_ROOT  # noqa: E402
 
 from tensegrity_ros.cli import main as cli  # noqa: E402
-from tensegrity_ros.model import load_structure  # noqa: E402
+from tensegrity_ros.ident.lawcheck import LawCheck, swap_actuated_laws  # noqa: E402
+from tensegrity_ros.model import dump_structure, load_structure  # noqa: E402
 from tensegrity_ros.validation import independent as I  # noqa: E402
 from tensegrity_ros.validation.scoring import COVERAGE_TARGET, TABLE_HEADER, TARGETS, format_row, score  # noqa: E402
 
@@ -63,11 +68,12 @@ def _identify(rec: Path, model: Path, out: Path, extra: Sequence[str]) -> dict:
     m = re.search(r"residual RMS ([0-9.]+) mm", text)
     d = re.search(r"^\s*delay_s\s+([-0-9.e]+)", text, re.M)
     return {"rc": rc, "wall_s": wall, "residual_rms_mm": float(m.group(1)) if m else None,
-            "delay_s": float(d.group(1)) if d else None, "mismatch_flagged": "MODEL MISMATCH" in text}
+            "delay_s": float(d.group(1)) if d else None, "mismatch_flagged": "MODEL MISMATCH" in text,
+            "string_law": LawCheck.verdict_in(text)}
 
 
 def run(structures: Sequence[str] = I.SUITE, seed: int = 0, duration_s: float = 12.0, from_truth: bool = False,
-        extra: Sequence[str] = ()) -> dict:
+        extra: Sequence[str] = (), wrong_law: bool = True) -> dict:
     results = {}
     base = OUT / "generality"
     for name in structures:
@@ -92,9 +98,24 @@ def run(structures: Sequence[str] = I.SUITE, seed: int = 0, duration_s: float = 
                 s = score(truth, truth, load_structure(rec / "from_truth.yaml"))
                 entry["from_truth"]["score"] = s
                 entry["from_truth"]["all_inside_2sigma"] = s["inside_2sigma"] == 1.0
+        if wrong_law:
+            swapped, strings = swap_actuated_laws(nominal)
+            dump_structure(swapped, rec / "nominal_wrong_law.yaml")
+            print(f"--- {name}: tensegrity identify with the actuated strings' law swapped ({', '.join(strings)})",
+                  flush=True)
+            wl = _identify(rec, rec / "nominal_wrong_law.yaml", rec / "identified_wrong_law.yaml", extra)
+            entry["wrong_law"] = {"identify": wl}
+            print(f"    exit {wl['rc']}; string-law check {wl['string_law']}; model check flagged "
+                  f"{wl['mismatch_flagged']} ({wl['wall_s']:.0f} s)", flush=True)
         results[name] = entry
     res = {"seed": seed, "duration_s": duration_s, "structures": results, "targets": TARGETS,
            "coverage_target": COVERAGE_TARGET, "lab_flags": LAB_FLAGS + list(extra)}
+    laws = [e for e in results.values() if "wrong_law" in e]
+    if laws:        # [flagged, of] structures: the swapped file should be flagged everywhere, the right one nowhere
+        res["string_law"] = {
+            "swapped_flagged": [sum(e["wrong_law"]["identify"]["string_law"] == "other_law_better" for e in laws),
+                                len(laws)],
+            "right_flagged": [sum(e["identify"]["string_law"] == "other_law_better" for e in laws), len(laws)]}
     res["missed"] = report(res)
     res["targets_met"] = not res["missed"]
     scored = [e["score"] for e in results.values() if "score" in e]
@@ -149,6 +170,18 @@ def report(res: dict) -> list:
                   else f"  {name} from the truth: identify failed")
             if not ok:
                 missed.append(f"{name}: started from the truth, not every parameter stays inside +-2 sigma")
+    laws = {n: e for n, e in res["structures"].items() if "wrong_law" in e}
+    if laws:
+        print("\nthe string-law check (issue 17 item 2): the right file, and the file with the actuated strings' law "
+              "swapped")
+        for name, e in laws.items():
+            right, wrong = e["identify"]["string_law"], e["wrong_law"]["identify"]["string_law"]
+            print(f"  {name}: right file {right} (exit {e['identify']['rc']}); swapped file {wrong} "
+                  f"(exit {e['wrong_law']['identify']['rc']})")
+            if right == "other_law_better":
+                missed.append(f"{name}: the right string law is flagged")
+            if wrong != "other_law_better":
+                missed.append(f"{name}: the swapped string law is not flagged ({wrong})")
     print("\nmissed targets:" if missed else "\nall targets met")
     for m in missed:
         print(f"  - {m}")
@@ -161,6 +194,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--duration", type=float, default=12.0, help="recorded seconds per structure")
     ap.add_argument("--from-truth", action="store_true", help="also identify from the true parameters")
+    ap.add_argument("--no-wrong-law", action="store_true",
+                    help="skip identifying each structure again with its actuated strings' law swapped (the "
+                         "string-law check's test: it should say so)")
     ap.add_argument("--identify-arg", action="append", default=[],
                     help="extra argument for tensegrity identify (repeatable, e.g. --identify-arg=--workers=1)")
     args = ap.parse_args(argv)
@@ -169,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if bad:
         ap.error(f"unknown structure(s) {bad} (valid: {', '.join(I.SUITE)})")
     t0 = time.perf_counter()
-    res = run(names, args.seed, args.duration, args.from_truth, args.identify_arg)
+    res = run(names, args.seed, args.duration, args.from_truth, args.identify_arg, wrong_law=not args.no_wrong_law)
     res["wall_s"] = time.perf_counter() - t0
     missed = res["missed"]
     OUT.mkdir(parents=True, exist_ok=True)

@@ -65,6 +65,10 @@ HEADLINES = [
     ("generality", "worst.inside_2sigma", "generality suite: truth inside +-2 sigma, worst", ">= 0.9",
      lambda v: v >= 0.9),
     ("generality", "targets_met", "generality suite: every item-6 target met", "True", lambda v: v is True),
+    ("generality", "string_law.swapped_flagged", "generality: swapped string law flagged (structures)",
+     "all", lambda v: v is not None and v[0] == v[1]),
+    ("generality", "string_law.right_flagged", "generality: right string law flagged (structures)", "0",
+     lambda v: v is not None and v[0] == 0),
     ("control", "identified_rmse_mm", "control: plate tracking RMSE, identified model [mm]", "< 2", lambda v: v < 2),
     ("control", "nominal_rmse_mm", "control: plate tracking RMSE, nominal model [mm]", "(paired)", lambda v: True),
     ("control", "ratio", "control: RMSE identified / nominal", "<= 0.5", lambda v: v <= 0.5),
@@ -132,7 +136,8 @@ def main(argv=None) -> int:
         if bench not in results:
             continue
         v = _lookup(results[bench], path)
-        shown = "n/a" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
+        shown = "n/a" if v is None else (f"{v:.3g}" if isinstance(v, float) else
+                                         f"{v[0]} of {v[1]}" if isinstance(v, list) else str(v))
         met = "" if v is None else ("yes" if ok(v) else "NO")
         judged += v is not None
         if met == "NO":

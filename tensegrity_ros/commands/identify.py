@@ -7,12 +7,14 @@ place and their standard deviations beside them, so every tool loads it. Bad inp
 writes nothing: every flag, the model and the output locations are checked before the bag is read, existing
 outputs are replaced only with ``--force``, and the outputs appear all at once when the run succeeds.
 
-Exit codes: 0 identified and both checks passed; 3 identified and written, but the result is not to be trusted
-as it stands (the model check found a mismatch, or the fit predicts the held-out windows worse than the
-nominal): the last lines say which; 2 bad input (nothing written).
+Exit codes: 0 identified and the checks passed; 3 identified and written, but the result is not to be trusted
+as it stands (the model check found a mismatch, the fit predicts the held-out windows worse than the nominal, or
+the actuated strings' other stiffness law predicts the recording better): the last lines say which; 2 bad input
+(nothing written).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from contextlib import ExitStack
@@ -27,9 +29,9 @@ from ._common import (add_force_argument, atomic_output, check_output_target, fi
 
 
 def add_arguments(parser) -> None:
-    parser.epilog = ("exit codes: 0 identified, model check and held-out check passed; 3 identified and written, but "
-                     "a check failed (model mismatch, or worse than the nominal on held-out windows: the last lines "
-                     "say which); 2 bad input, nothing written")
+    parser.epilog = ("exit codes: 0 identified, the model, held-out and string-law checks passed; 3 identified and written, but "
+                     "a check failed (model mismatch, worse than the nominal on held-out windows, or the other "
+                     "string law predicts better: the last lines say which); 2 bad input, nothing written")
     parser.add_argument("bag", nargs="+",
                         help="rosbag2 directory (MCAP or sqlite3); several: recordings of the same robot, fitted "
                              "jointly with one parameter set (each bag keeps its own time base, mocap registration "
@@ -84,6 +86,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--holdout", type=float, default=0.1,
                         help="fraction of the recording set aside, in 0.2-s windows spread over it, to check at the "
                              "end that the fit predicts better than the nominal model (0: no check)")
+    parser.add_argument("--law-check", action=argparse.BooleanOptionalAction, default=True,
+                        help="after the fit, refit with the actuated strings' other stiffness_law (cord <-> spring) "
+                             "and say which law predicts the recording better; exit 3 when the other one does "
+                             "(default: on; a refit and two scorings, a third to a half more time: 14-17 s on a 12-s "
+                             "recording of the generality suite, 50-60 s on the README's 16-s manipulator bag, 2 "
+                             "cores; no effect without actuated strings)")
     parser.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (default: auto, cuda when present)")
     parser.add_argument("--workers", default="auto",
                         help="processes that share stage 2's windows on a Linux CPU (same result, ~1.5-1.8x faster "
@@ -179,7 +187,8 @@ def run(args) -> int:
                                         max_time_s=max_time, window_s=window, max_windows=args.windows,
                                         noise_std_m=noise_mm * 1e-3, prior_std=prior_std, longer_windows=longer,
                                         device=args.device, workers=workers, heldout_check=holdout > 0,
-                                        heldout_fraction=holdout or 0.1)
+                                        heldout_fraction=holdout or 0.1,
+                                        law_check=args.law_check and "refine" in stages)
     iters = args.max_iter + sum(it for _, _, it in longer)
     with progress_bar(iters if "refine" in stages else 1, "identifying") as bar:
         last = {"iteration": None}
@@ -238,6 +247,8 @@ def degraded_reasons(result):
         out.append(f"model mismatch ({mm.status})")
     if ho is not None and ho.verdict == "worse":
         out.append("the fit predicts the held-out windows worse than the nominal")
+    if result.string_law is not None and result.string_law.mismatch:
+        out.append("the other string law predicts the recording better")
     return out
 
 
@@ -249,6 +260,8 @@ def verdict_lines(result):
         lines.append(("WARNING: " if mm.mismatch else "") + mm.line())
     if ho is not None:
         lines.append(("WARNING: " if ho.verdict == "worse" else "") + ho.line())
+    if result.string_law is not None:
+        lines.append(("WARNING: " if result.string_law.mismatch else "") + result.string_law.line())
     if result.prior_dominated:
         lines.append(f"kept at the prior (the data do not move them): {', '.join(result.prior_dominated)}")
     return lines

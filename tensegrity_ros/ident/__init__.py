@@ -12,6 +12,7 @@
   structure of the residual in time).
 * :mod:`.heldout` -- held-out windows set aside before the fit; fit vs nominal on them; parameters the data
   cannot move.
+* :mod:`.lawcheck` -- which stiffness law the actuated strings follow: the file's, refitted against the other.
 * :mod:`.pipeline` -- :func:`identify`, the single entry point.
 * :mod:`.online` -- the online identifier's core: sliding window, the worker's fit (:func:`~.online.fit_window`),
   accept / reject (:func:`~.online.decide`) and drift.

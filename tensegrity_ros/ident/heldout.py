@@ -31,7 +31,8 @@ from .data import Dataset
 from .errors import IdentificationError
 from .refine import RefineOptions, RefineProblem
 
-__all__ = ["HeldOutCheck", "reserve_held_out", "compare_on_held_out", "prior_dominated", "prior_std_of"]
+__all__ = ["HeldOutCheck", "reserve_held_out", "compare_on_held_out", "prior_dominated", "prior_std_of",
+           "fitted_start_mse", "paired_log_ratio", "paired_verdict"]
 
 
 @dataclass(frozen=True)
@@ -107,18 +108,40 @@ def compare_on_held_out(prob: Optional[RefineProblem], fit: Params, prior: Param
                             "data aside, or the check was not asked for")
     f = fitted_start_mse(prob, fit, fit_delay_s, start_iterations)
     a = fitted_start_mse(prob, prior, prior_delay_s, start_iterations)
-    ok = np.isfinite(f) & np.isfinite(a) & (f > 0) & (a > 0)
-    if ok.sum() < min_windows:
-        return HeldOutCheck(int(ok.sum()), ws, math.nan, math.nan, math.nan, math.nan, "not_checked", margin_sigma,
+    n, mean, se, rms_f, rms_a = paired_log_ratio(a, f)
+    if n < min_windows:
+        return HeldOutCheck(n, ws, math.nan, math.nan, math.nan, math.nan, "not_checked", margin_sigma,
                             "held-out predictions not finite")
-    r = np.log(a[ok]) - np.log(f[ok])
-    mean = float(r.mean())
-    se = float(r.std(ddof=1) / math.sqrt(r.size))
+    return HeldOutCheck(n, ws, rms_f, rms_a, mean, se, paired_verdict(mean, se, margin_sigma, min_relative,
+                                                                      ("better", "worse", "no_clear_difference")),
+                        margin_sigma)
+
+
+def paired_log_ratio(a_mse: np.ndarray, b_mse: np.ndarray) -> Tuple[int, float, float, float, float]:
+    """Two parameter sets' per-window mean squared errors on the same windows, paired: (windows, mean and standard
+    error of ln(a / b) per window (> 0: b predicts better), RMS of b, RMS of a). Windows where either is not finite
+    and positive are left out. Log ratios, not differences: window errors differ by orders of magnitude, their
+    ratios much less, so one violent window does not swamp the others."""
+    a, b = np.asarray(a_mse, dtype=float), np.asarray(b_mse, dtype=float)
+    ok = np.isfinite(a) & np.isfinite(b) & (a > 0) & (b > 0)
+    n = int(ok.sum())
+    if n < 2:
+        return n, math.nan, math.nan, math.nan, math.nan
+    r = np.log(a[ok]) - np.log(b[ok])
+    return (n, float(r.mean()), float(r.std(ddof=1) / math.sqrt(n)), float(math.sqrt(b[ok].mean())),
+            float(math.sqrt(a[ok].mean())))
+
+
+def paired_verdict(mean: float, se: float, margin_sigma: float, min_relative: float,
+                   names: Tuple[str, str, str]) -> str:
+    """``names[0]`` when the mean log ratio is beyond ``margin_sigma`` standard errors above 0 AND the typical
+    mean squared error falls by at least ``min_relative``; ``names[1]`` for the same below 0; else ``names[2]``."""
     rel = 1.0 - math.exp(-mean)
-    verdict = "better" if (mean > margin_sigma * se and rel >= min_relative) else \
-        "worse" if (mean < -margin_sigma * se and -rel >= min_relative) else "no_clear_difference"
-    return HeldOutCheck(int(r.size), ws, float(math.sqrt(f[ok].mean())), float(math.sqrt(a[ok].mean())), mean, se,
-                        verdict, margin_sigma)
+    if mean > margin_sigma * se and rel >= min_relative:
+        return names[0]
+    if mean < -margin_sigma * se and -rel >= min_relative:
+        return names[1]
+    return names[2]
 
 
 def fitted_start_mse(prob: RefineProblem, params: Params, delay_s: float = 0.0, iterations: int = 3) -> np.ndarray:

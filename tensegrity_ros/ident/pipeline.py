@@ -27,6 +27,7 @@ from ..param_names import GAUGE_KINDS, join_name, kind_of
 from .data import Dataset, screen_dataset
 from .errors import DataError, DivergenceError, IdentificationError, NotEnoughDataError
 from .heldout import HeldOutCheck, compare_on_held_out, prior_dominated, reserve_held_out
+from .lawcheck import LawCheck, check_string_law
 from .mismatch import MismatchOptions, ModelMismatch, check_model
 from .refine import RefineOptions, RefineProblem, RefineResult, refine
 from .regression import RegressionOptions, RegressionResult, regress
@@ -116,6 +117,10 @@ class IdentifyOptions:
     prior_dominated_ratio: a parameter whose posterior std is still above this fraction of its prior std is
         not determined by the data: it keeps the prior's value and std and is listed in ``prior_dominated``
         (None: leave it where the fit put it).
+    law_check / law_margin_sigma: after stage 2, refit with the actuated strings' other stiffness law and say which
+        law predicts the recording better, by more than ``law_margin_sigma`` standard errors
+        (``IdentificationResult.string_law``; :mod:`.lawcheck`). Off by default here (it costs a refit of the last
+        rung); ``tensegrity identify`` turns it on for structures with actuated strings.
     """
 
     backend: str = "nodal"
@@ -142,6 +147,8 @@ class IdentifyOptions:
     heldout_windows: int = 16
     heldout_margin_sigma: float = 2.0
     prior_dominated_ratio: Optional[float] = 0.9
+    law_check: bool = False
+    law_margin_sigma: float = 3.0
 
     @classmethod
     def from_flat(cls, **flat) -> "IdentifyOptions":
@@ -234,6 +241,8 @@ class IdentificationResult:
     #: final stage-2 run), observed samples, residual_rms_m (that run's residual on its windows, fitted starts;
     #: NaN when none of its windows came from this recording); empty without stage 2
     recordings: List[Dict[str, Any]] = field(default_factory=list)
+    #: the file's string law of the actuated strings against the other one (:class:`.lawcheck.LawCheck`)
+    string_law: Optional[LawCheck] = None
 
     def values(self) -> Dict[str, float]:
         """name -> identified value (all parameters)."""
@@ -266,6 +275,8 @@ class IdentificationResult:
             lines.append(("  !! " if self.held_out.verdict == "worse" else "  ") + self.held_out.line())
         if self.model_mismatch is not None:
             lines.append(("  !! " if self.model_mismatch.mismatch else "  ") + self.model_mismatch.line())
+        if self.string_law is not None:
+            lines.append(("  !! " if self.string_law.mismatch else "  ") + self.string_law.line())
         if len(self.recordings) > 1:
             lines += ["  " + line for line in self.recording_lines()]
         return "\n".join(lines)
@@ -287,6 +298,7 @@ class IdentificationResult:
                 "model_mismatch": None if self.model_mismatch is None else self.model_mismatch.to_dict(),
                 "calibration": dict(self.calibration),
                 "held_out": None if self.held_out is None else self.held_out.to_dict(),
+                "string_law": None if self.string_law is None else self.string_law.to_dict(),
                 "prior_dominated": {n: {"std": sd, "prior_std": p} for n, (sd, p) in self.prior_dominated.items()},
                 "stage_values": [{"window_s": ws, "params": v} for ws, v in self.stage_values],
                 "recordings": [dict(r) for r in self.recordings]}
@@ -442,6 +454,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
     heldout: Optional[HeldOutCheck] = None
     dominated: Dict[str, Tuple[float, float]] = {}
     recordings: List[Dict[str, Any]] = []
+    law: Optional[LawCheck] = None
     # the stages' options as run: stage 1's inertia from the backend unless it names one; stage 2's device
     # resolved and the structure file's per-bar mass priors added (see structure_prior_std)
     ropts = opts.regression
@@ -478,6 +491,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                 datasets = screened
             # ---- held-out windows, set aside before any fit --------------------------------------------
             held_prob = None
+            whole = datasets            # screened, nothing held out: the string-law check scores these
             if opts.heldout_check and "refine" in stages:
                 datasets, held_prob = reserve_held_out(
                     structure, datasets, prior, fopts, window_s=opts.heldout_window_s, fraction=opts.heldout_fraction,
@@ -593,6 +607,13 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     heldout = compare_on_held_out(held_prob, params, prior, fit_delay_s=delay,
                                                   prior_delay_s=start_delay, margin_sigma=opts.heldout_margin_sigma)
                     timings["held_out"] = time.perf_counter() - ts
+                if opts.law_check and after_fit:
+                    ts = time.perf_counter()
+                    _announce(callback, "string_law", "string-law check (the actuated strings' other law, refitted)")
+                    law = check_string_law(structure, datasets, ref, fopts.prior_center if fopts.prior_center is not None
+                                           else start, scored=whole, backend=opts.backend,
+                                           integrator=opts.integrator, margin_sigma=opts.law_margin_sigma)
+                    timings["string_law"] = time.perf_counter() - ts
             elif reg is not None and opts.residual:
                 # residual of the stage-1 result (one forward multiple-shooting evaluation)
                 try:
@@ -623,7 +644,8 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                                     model_mismatch=mismatch, calibration=calibration,
                                     stage_values=[(ws, {n: float(v) for n, v in r.params.named().items()})
                                                   for ws, r in stage_fits],
-                                    held_out=heldout, prior_dominated=dominated, recordings=recordings)
+                                    held_out=heldout, prior_dominated=dominated, recordings=recordings,
+                                    string_law=law)
     except (IdentificationError, RuntimeError, np.linalg.LinAlgError, FloatingPointError) as exc:
         if not isinstance(exc, IdentificationError):
             wrapped = DivergenceError(f"{type(exc).__name__}: {exc}")
