@@ -105,6 +105,8 @@ def run(structures: Sequence[str] = I.SUITE, seed: int = 0, duration_s: float = 
                   flush=True)
             wl = _identify(rec, rec / "nominal_wrong_law.yaml", rec / "identified_wrong_law.yaml", extra)
             entry["wrong_law"] = {"identify": wl}
+            if wl["rc"] in (0, 3):
+                entry["wrong_law"]["score"] = score(truth, nominal, load_structure(rec / "identified_wrong_law.yaml"))
             print(f"    exit {wl['rc']}; string-law check {wl['string_law']}; model check flagged "
                   f"{wl['mismatch_flagged']} ({wl['wall_s']:.0f} s)", flush=True)
         results[name] = entry
@@ -176,8 +178,11 @@ def report(res: dict) -> list:
               "swapped")
         for name, e in laws.items():
             right, wrong = e["identify"]["string_law"], e["wrong_law"]["identify"]["string_law"]
+            ws = e["wrong_law"].get("score")
             print(f"  {name}: right file {right} (exit {e['identify']['rc']}); swapped file {wrong} "
-                  f"(exit {e['wrong_law']['identify']['rc']})")
+                  f"(exit {e['wrong_law']['identify']['rc']})"
+                  + (f"; its fit: stiffness median {ws['kinds']['stiffness']['median']:.1%}, "
+                     f"{ws['inside_2sigma']:.0%} inside +-2 sigma" if ws else ""))
             if right == "other_law_better":
                 missed.append(f"{name}: the right string law is flagged")
             if wrong != "other_law_better":

@@ -16,7 +16,7 @@ import pytest
 
 from tensegrity_ros.ident import IdentifyOptions, identify
 from tensegrity_ros.ident.heldout import paired_log_ratio, paired_verdict
-from tensegrity_ros.ident.lawcheck import LawCheck, check_string_law, swap_actuated_laws
+from tensegrity_ros.ident.lawcheck import LawCheck, check_string_law, swap_actuated_laws, widen
 
 from test_ident_mismatch import OPTIONS, _recording
 from test_string_laws import hoist
@@ -83,3 +83,15 @@ def test_law_check_names_the_recorded_law_from_either_file(recorded, seed):
 
 def test_law_check_is_off_unless_asked():
     assert IdentifyOptions().law_check is False
+
+
+def test_widen_adds_the_two_fits_spread_only_when_the_data_do_not_tell():
+    std = {"s1.stiffness": 3.0, "s2.stiffness": 4.0, "rod.mass": 0.01, "delay_s": 1e-3}
+    spread = {"s1.stiffness": 4.0, "s2.stiffness": 0.0, "rod.mass": 0.0}
+    undecided = LawCheck("no_clear_difference", ("s1", "s2"), ("cord", "cord"), spread=spread)
+    out, note = widen(std, undecided)
+    assert out["s1.stiffness"] == pytest.approx(5.0)                  # sqrt(3^2 + 4^2)
+    assert out["s2.stiffness"] == 4.0 and out["rod.mass"] == 0.01 and out["delay_s"] == 1e-3
+    assert "1 parameter(s)" in note and "s1.stiffness x1.67" in note
+    for verdict in ("file_law_better", "other_law_better", "not_checked"):  # decided (or not made): unchanged
+        assert widen(std, dataclasses.replace(undecided, verdict=verdict)) == (std, "")

@@ -27,7 +27,7 @@ from ..param_names import GAUGE_KINDS, join_name, kind_of
 from .data import Dataset, screen_dataset
 from .errors import DataError, DivergenceError, IdentificationError, NotEnoughDataError
 from .heldout import HeldOutCheck, compare_on_held_out, prior_dominated, reserve_held_out
-from .lawcheck import LawCheck, check_string_law
+from .lawcheck import LawCheck, check_string_law, widen
 from .mismatch import MismatchOptions, ModelMismatch, check_model
 from .refine import RefineOptions, RefineProblem, RefineResult, refine
 from .regression import RegressionOptions, RegressionResult, regress
@@ -613,6 +613,9 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     law = check_string_law(structure, datasets, ref, fopts.prior_center if fopts.prior_center is not None
                                            else start, scored=whole, backend=opts.backend,
                                            integrator=opts.integrator, margin_sigma=opts.law_margin_sigma)
+                    std, note = widen(std, law)
+                    if note:
+                        notes.append(note)
                     timings["string_law"] = time.perf_counter() - ts
             elif reg is not None and opts.residual:
                 # residual of the stage-1 result (one forward multiple-shooting evaluation)
