@@ -436,6 +436,7 @@ def _check_bags(bags) -> None:
 def _dataset(structure, series, rec, name=None):
     """Node states on structure node order (virtual nodes left invalid) with motor angles at mocap stamps."""
     from ..ident import make_dataset
+    from ..ident.data import resample_motor_angles
 
     index = {n: i for i, n in enumerate(structure.node_names)}
     T, N = len(series.t), len(structure.nodes)
@@ -449,7 +450,7 @@ def _dataset(structure, series, rec, name=None):
     angles = None
     if structure.actuators:
         order = [rec.motor_names.index(a.name) for a in structure.actuators]
-        angles = np.stack([np.interp(series.t[keep], rec.motor_times, rec.motor_angles[:, j]) for j in order], axis=1)
+        angles = resample_motor_angles(series.t[keep], rec.motor_times, rec.motor_angles[:, order])
     return make_dataset(series.t[keep], positions[keep], valid[keep], angles, node_names=structure.node_names,
                         actuator_names=tuple(a.name for a in structure.actuators),
                         name=name or Path(rec.path).name)

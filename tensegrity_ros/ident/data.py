@@ -25,7 +25,31 @@ import numpy as np
 from .errors import DataError
 
 __all__ = ["DataError", "Dataset", "Window", "Derivatives", "ScreenReport", "make_dataset", "derivatives",
-           "cut_windows", "screen_dataset", "add_marker_noise", "drop_frames"]
+           "cut_windows", "screen_dataset", "add_marker_noise", "drop_frames", "resample_motor_angles"]
+
+
+def resample_motor_angles(t_query: np.ndarray, times: np.ndarray, angles: np.ndarray) -> np.ndarray:
+    """Motor angles (S, A) sampled at ``times`` (S,), resampled at ``t_query`` (T,) by a cubic spline through the
+    samples (linear with fewer than 4; repeated stamps keep their first sample).
+
+    Why not linear: motor states come at 80 Hz and node states at 120 Hz, and the engine interpolates the 120-Hz
+    values again between its steps. A straight line between samples cuts the peaks of a fast drive (by up to
+    (omega dt)^2 / 8: 6 % for a 9-Hz family at 80 Hz), a systematic input error the fit absorbs into stiffnesses
+    and rest lengths. Measured on the generality suite (seed 0, `tensegrity identify` with the lab's flags, linear
+    -> cubic): prism 86 -> 93 % of the truths inside +-2 sigma (seed 1: 71 -> 82 %, stiffness 5.4 -> 4.7 %),
+    tower 2.2 -> 1.9 % stiffness, 0.8 -> 0.5 % mass, 98 -> 100 %; icosahedron 1.6 -> 1.9 % stiffness, 19.4 ->
+    18.0 % damping, 96 % either way."""
+    t = np.asarray(times, dtype=float)
+    y = np.asarray(angles, dtype=float)
+    tq = np.asarray(t_query, dtype=float)
+    t, first = np.unique(t, return_index=True)
+    y = y[first]
+    if y.ndim == 1:
+        y = y[:, None]
+    if t.size < 4:
+        return np.stack([np.interp(tq, t, y[:, j]) for j in range(y.shape[1])], axis=1)
+    from scipy.interpolate import CubicSpline
+    return CubicSpline(t, y, axis=0, extrapolate=False)(np.clip(tq, t[0], t[-1]))
 
 
 @dataclass(frozen=True)
