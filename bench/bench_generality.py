@@ -21,8 +21,8 @@ of 3-bar prisms with a composite actuated string, a 6-bar icosahedron welded at 
     python bench/bench_generality.py [--only prism4_fixed,...] [--seed 0] [--duration 12] [--from-truth]
                                      [--no-wrong-law]
 
-``run(...) -> dict`` is what ``bench/run_all.py`` calls (``generality``; 2 min 29 s for the three structures on the
-2-core machine, a helper's study sharing it part of the time, 2026-11-26).
+``run(...) -> dict`` is what ``bench/run_all.py`` calls (``generality``; 221 s for the three structures and their
+swapped-law runs on the 2-core machine, nothing else running, 2026-11-27).
 
 Writes build/bench/generality.json (and each recording and identify log under build/bench/generality/). Exits 1 when
 a target of item 6 is missed: every kind better than the nominal; stiffness median < 5 %, damping < 15 %,
