@@ -30,3 +30,13 @@ def test_repeated_stamps_and_short_series():
     assert out.shape == (2, 1) and out[0, 0] == 1.0 and abs(out[1, 0] - 2.5) < 1e-12
     few = resample_motor_angles(np.array([0.5]), np.array([0.0, 1.0]), np.array([[0.0], [2.0]]))
     assert few.shape == (1, 1) and few[0, 0] == 1.0                    # fewer than 4 samples: linear
+
+
+def test_a_nan_reading_stays_nan_around_it():
+    """A poisoned motor sample is not smoothed over by the spline: the samples next to it read NaN, so the window
+    is refused downstream (the online identifier's and identify's screening), never repaired."""
+    t = np.arange(12) / 80
+    y = np.sin(t)[:, None]
+    y[5] = np.nan
+    out = resample_motor_angles(np.array([0.01, 0.06, 0.1]), t, y)
+    assert np.isfinite(out[0, 0]) and np.isnan(out[1, 0]) and np.isfinite(out[2, 0])

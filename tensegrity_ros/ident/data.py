@@ -30,7 +30,8 @@ __all__ = ["DataError", "Dataset", "Window", "Derivatives", "ScreenReport", "mak
 
 def resample_motor_angles(t_query: np.ndarray, times: np.ndarray, angles: np.ndarray) -> np.ndarray:
     """Motor angles (S, A) sampled at ``times`` (S,), resampled at ``t_query`` (T,) by a cubic spline through the
-    samples (linear with fewer than 4; repeated stamps keep their first sample).
+    samples (linear with fewer than 4, or where a sample is not finite: a NaN reading then stays NaN around it, so
+    the data are refused downstream, never repaired; repeated stamps keep their first sample).
 
     Why not linear: motor states come at 80 Hz and node states at 120 Hz, and the engine interpolates the 120-Hz
     values again between its steps. A straight line between samples cuts the peaks of a fast drive (by up to
@@ -46,7 +47,7 @@ def resample_motor_angles(t_query: np.ndarray, times: np.ndarray, angles: np.nda
     y = y[first]
     if y.ndim == 1:
         y = y[:, None]
-    if t.size < 4:
+    if t.size < 4 or not np.all(np.isfinite(y)):
         return np.stack([np.interp(tq, t, y[:, j]) for j in range(y.shape[1])], axis=1)
     from scipy.interpolate import CubicSpline
     return CubicSpline(t, y, axis=0, extrapolate=False)(np.clip(tq, t[0], t[-1]))

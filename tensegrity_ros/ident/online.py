@@ -27,6 +27,7 @@ import numpy as np
 from ..model import Structure
 from ..param_names import RELATIVE_KINDS, STRING_KINDS, kind_of, split_name
 from ..parameter_set import ParameterSet
+from .data import resample_motor_angles
 
 
 # =====================================================================================================
@@ -329,9 +330,9 @@ class SlidingWindow:
             t, P, V = t[keep], P[keep], V[keep]
             if t.size < 3:
                 return None
-            # linear interpolation; a NaN reading stays NaN around it (the window is then refused, never
-            # repaired)
-            U = np.stack([np.interp(t, tm, um[:, j]) for j in range(um.shape[1])], axis=1)
+            # as tensegrity identify resamples them (a cubic spline; a NaN reading stays NaN around it: the window is
+            # then refused, never repaired)
+            U = resample_motor_angles(t, tm, um)
         if t[-1] - t[0] < min_span_s:
             return None
         return t, P, V, U
