@@ -177,15 +177,13 @@ def held_out_improvement(fit_mse: Sequence[float], active_mse: Sequence[float],
                        f"{cfg.min_holdout_windows}): a set is not accepted on its own fit")
     if not (np.all(np.isfinite(f)) and np.all(np.isfinite(a)) and np.all(f > 0) and np.all(a > 0)):
         return False, "held-out prediction not finite"
-    r = np.log(a) - np.log(f)
-    mean = float(r.mean())
-    se = float(r.std(ddof=1) / math.sqrt(r.size))
+    from .heldout import paired_log_ratio, paired_verdict       # the held-out check's paired statistics
+    n, mean, se, rms_f, rms_a = paired_log_ratio(a, f)
     rel = 1.0 - math.exp(-mean)
-    rms_f, rms_a = math.sqrt(f.mean()) * 1e3, math.sqrt(a.mean()) * 1e3
-    text = (f"held-out open-loop RMS {rms_f:.3f} mm vs the active set's {rms_a:.3f} mm over {r.size} windows "
+    text = (f"held-out open-loop RMS {rms_f * 1e3:.3f} mm vs the active set's {rms_a * 1e3:.3f} mm over {n} windows "
             f"(mean squared error {100 * rel:+.1f} % lower, {mean / se if se > 0 else math.inf:.1f} sigma; needs > "
             f"{cfg.margin_sigma:g} sigma and >= {100 * cfg.min_relative_improvement:g} %)")
-    if mean > cfg.margin_sigma * se and rel >= cfg.min_relative_improvement:
+    if paired_verdict(mean, se, cfg.margin_sigma, cfg.min_relative_improvement, ("better", "worse", "")) == "better":
         return True, text
     return False, "not better on held-out data: " + text
 

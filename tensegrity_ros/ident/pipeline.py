@@ -536,13 +536,13 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                 ref = refine(structure, datasets, start, fopts, backend=opts.backend, integrator=opts.integrator,
                              callback=callback)
                 stage_fits.append((float(fopts.window_s), ref))
+                # where the prior stays centred for every later run and check (the first run's start unless given)
+                centre = fopts.prior_center if fopts.prior_center is not None else start
                 for ws, nw, it in opts.longer_windows:
                     if not (_finite(ref.params) and math.isfinite(ref.loss)):
                         break
                     next_opts = dataclasses.replace(fopts, window_s=float(ws), max_windows=nw, max_iter=int(it),
-                                                    delay_s=ref.delay_s,
-                                                    prior_center=fopts.prior_center if fopts.prior_center is not None
-                                                    else start)
+                                                    delay_s=ref.delay_s, prior_center=centre)
                     try:
                         nxt = refine(structure, datasets, ref.params, next_opts, backend=opts.backend,
                                      integrator=opts.integrator, callback=callback)
@@ -595,8 +595,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     mismatch = model_check(ref, datasets, opts.mismatch, calibration.get("gn_rss_decrease_m2"))
                     timings["model_check"] = time.perf_counter() - ts
                 if opts.prior_dominated_ratio is not None and fopts.prior_std and after_fit:
-                    center = {n: float(v) for n, v in (fopts.prior_center if fopts.prior_center is not None
-                                                       else start).named().items()}
+                    center = {n: float(v) for n, v in centre.named().items()}
                     dominated = prior_dominated(std, center, fopts.prior_std, opts.prior_dominated_ratio)
                     if dominated:
                         params = params.with_values({n: center[n] for n in dominated})
@@ -610,8 +609,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                 if opts.law_check and after_fit:
                     ts = time.perf_counter()
                     _announce(callback, "string_law", "string-law check (the actuated strings' other law, refitted)")
-                    law = check_string_law(structure, datasets, ref, fopts.prior_center if fopts.prior_center is not None
-                                           else start, scored=whole, backend=opts.backend,
+                    law = check_string_law(structure, datasets, ref, centre, scored=whole, backend=opts.backend,
                                            integrator=opts.integrator, margin_sigma=opts.law_margin_sigma)
                     std, note = widen(std, law)
                     if note:
