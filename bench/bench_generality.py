@@ -33,8 +33,6 @@ not the right one).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import re
 import sys
@@ -44,7 +42,10 @@ from typing import Optional, Sequence
 
 from tensegrity_ros.paths import REPO_ROOT  # noqa: E402
 
-from tensegrity_ros.cli import main as cli  # noqa: E402
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+
+from benchlib import run_cli  # noqa: E402
+
 from tensegrity_ros.ident.lawcheck import LawCheck, swap_actuated_laws  # noqa: E402
 from tensegrity_ros.model import dump_structure, load_structure  # noqa: E402
 from tensegrity_ros.validation import independent as I  # noqa: E402
@@ -57,13 +58,8 @@ LAB_FLAGS = ["--noise-mm", "1", "--estimate-delay", "--prior-std",
 
 def _identify(rec: Path, model: Path, out: Path, extra: Sequence[str]) -> dict:
     """Run `tensegrity identify` in this process; its console output goes to OUT/identify.log."""
-    buf = io.StringIO()
-    t0 = time.perf_counter()
-    with contextlib.redirect_stdout(buf):
-        rc = cli(["identify", str(rec / "bag"), "--model", str(model), "--mocap-frame", str(rec / "mocap_guess.yaml"),
-                  "--out", str(out), "--force", *LAB_FLAGS, *extra])
-    wall = time.perf_counter() - t0
-    text = buf.getvalue()
+    rc, wall, text = run_cli(["identify", str(rec / "bag"), "--model", str(model), "--mocap-frame",
+                              str(rec / "mocap_guess.yaml"), "--out", str(out), "--force", *LAB_FLAGS, *extra])
     out.with_suffix(".log").write_text(text)
     m = re.search(r"residual RMS ([0-9.]+) mm", text)
     d = re.search(r"^\s*delay_s\s+([-0-9.e]+)", text, re.M)

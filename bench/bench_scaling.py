@@ -17,8 +17,6 @@ Writes build/bench/scaling.json and docs/img/scaling_identify.png, docs/img/scal
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import sys
 import time
@@ -33,8 +31,8 @@ from tensegrity_ros.paths import CONFIG_DIR, REPO_ROOT
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 from bench_engine import engine_rate  # noqa: E402  (one measurement of the engine's rate, shared)
+from benchlib import run_cli  # noqa: E402
 
-from tensegrity_ros.cli import main as cli  # noqa: E402
 from tensegrity_ros.engine import make_engine  # noqa: E402
 from tensegrity_ros.model import load_structure  # noqa: E402
 
@@ -47,25 +45,16 @@ def _log(*a):
     print(*a, flush=True)
 
 
-def _quiet(argv: Sequence[str]) -> tuple:
-    """Run a `tensegrity` command in this process, its console output kept; (exit code, seconds, output)."""
-    buf = io.StringIO()
-    t0 = time.perf_counter()
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
-        rc = cli(list(argv))
-    return rc, time.perf_counter() - t0, buf.getvalue()
-
-
 def identify_scaling(lengths_s: Sequence[float], windows: Sequence[int], work: Path) -> Dict[str, Any]:
     rows, wrows = [], []
     for L in lengths_s:
         sim = work / f"sim{L:g}"
-        rc, sec, _ = _quiet(["simulate", str(MODEL), "--duration", f"{L:g}", "--out", str(sim), "--bag",
-                             str(sim / "bag"), "--perturb", "0.1", "--force"])
+        rc, sec, _ = run_cli(["simulate", str(MODEL), "--duration", f"{L:g}", "--out", str(sim), "--bag",
+                              str(sim / "bag"), "--perturb", "0.1", "--force"], show_progress=False)
         if rc != 0:
             raise RuntimeError(f"simulate {L:g} s exited {rc}")
-        rc, sec, text = _quiet(["identify", str(sim / "bag"), "--model", str(MODEL), "--out",
-                                str(sim / "identified.yaml"), "--force", "--truth", "none"])
+        rc, sec, text = run_cli(["identify", str(sim / "bag"), "--model", str(MODEL), "--out",
+                                 str(sim / "identified.yaml"), "--force", "--truth", "none"], show_progress=False)
         (sim / "identify.log").write_text(text)
         rows.append({"recording_s": L, "wall_s": sec, "rc": rc, "real_time_factor": sec / L,
                      "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
@@ -74,8 +63,9 @@ def identify_scaling(lengths_s: Sequence[float], windows: Sequence[int], work: P
         sim = work / "sim16"
         if not (sim / "bag").exists():
             break
-        rc, sec, _ = _quiet(["identify", str(sim / "bag"), "--model", str(MODEL), "--out",
-                             str(sim / f"identified_w{w}.yaml"), "--force", "--truth", "none", "--windows", str(w)])
+        rc, sec, _ = run_cli(["identify", str(sim / "bag"), "--model", str(MODEL), "--out",
+                              str(sim / f"identified_w{w}.yaml"), "--force", "--truth", "none", "--windows", str(w)],
+                              show_progress=False)
         wrows.append({"windows": w, "wall_s": sec, "rc": rc, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
         _log(f"  identify, 16-s recording, --windows {w:3d}: {sec:7.1f} s wall, exit {rc}")
     return {"by_length": rows, "by_windows": wrows}

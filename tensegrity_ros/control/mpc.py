@@ -593,6 +593,10 @@ class PlateMPC:
             return None
         return j
 
+    def _state_prediction_step(self, elapsed_s: float, n: int) -> Optional[int]:
+        """:meth:`_prediction_step` on the previous cycle's predicted states (``self._pred``)."""
+        return self._prediction_step(None if self._pred is None else self._pred[0], elapsed_s, n)
+
     def _motor_estimate(self, start: np.ndarray, elapsed_s: float) -> np.ndarray:
         """The servos' angles at the state's time (``actuator_lag_s``): what the previous cycle predicted under
         the plan it sent; without that prediction (first cycle, after a hold) the start command."""
@@ -615,7 +619,7 @@ class PlateMPC:
         previous cycle predicted for now (``elapsed_s`` after its state) under the plan it sent. Without that
         prediction (first cycle, after a hold or a failed solve) or with weight 1: as measured."""
         w = self.opt.measured_velocity_weight
-        j = self._prediction_step(None if self._pred is None else self._pred[0], elapsed_s, n) if w < 1.0 else None
+        j = self._state_prediction_step(elapsed_s, n) if w < 1.0 else None
         if j is None:
             return x_meas
         xhat = self._pred[0]
@@ -634,7 +638,7 @@ class PlateMPC:
         cols = self._disturbance_columns(n)
         if self.dist is None or self.dist.size != n:
             self.dist = np.zeros(n)
-        j = self._prediction_step(None if self._pred is None else self._pred[0], elapsed_s, n) if cols.size else None
+        j = self._state_prediction_step(elapsed_s, n) if cols.size else None
         if j is None:
             return math.nan             # no previous plan, or it did not reach now: nothing to compare with
         xhat, A, _ = self._pred

@@ -568,53 +568,55 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     raise DivergenceError("stage 2 produced non-finite parameters")
                 after_fit = keep_fit is None or bool(keep_fit(params))
                 if not after_fit:
-                    notes.append("the steps after the fit (covariance, model check, held-out check) were skipped: "
-                                 "the caller does not keep this fit")
-                if opts.covariance and after_fit:
-                    ts = time.perf_counter()
-                    _announce(callback, "covariance", "standard deviations (Gauss-Newton covariance, sandwich)")
-                    from .uncertainty import gauss_newton_covariance
-                    cov = gauss_newton_covariance(ref.problem, ref.w, ref.x0, noise_std_m=fopts.noise_std_m,
-                                                  max_windows=opts.covariance_windows, calibrate=opts.uncertainty)
-                    calibration = dict(cov.calibration)
-                    # stage-2 values supersede stage 1 for the parameters it estimated
-                    for n in cov.names:
-                        std[n] = cov.std_devs[n]
-                        ident[n] = cov.identifiability[n]
-                        identifiable[n] = cov.identifiable[n]
-                    ratios = dict(cov.ratios)     # only when stage 2's scale is a gauge (nothing fixes it)
-                    nonid = [d for d in nonid if d.startswith("scale")] if ref.problem.gauge else []
-                    nonid.extend(cov.weak_directions)
-                    notes.extend(cov.notes)
-                    timings["covariance"] = time.perf_counter() - ts
+                    notes.append("the steps after the fit (covariance, model check, held-out and string-law "
+                                 "checks) were skipped: the caller does not keep this fit")
                 recordings = recording_residuals(ref, datasets)
                 # the stage-1 values of parameters stage 2 did not free are kept; rest lengths etc. updated
-                if opts.model_check and after_fit:
-                    ts = time.perf_counter()
-                    _announce(callback, "model_check", "model check (residual against the marker noise)")
-                    mismatch = model_check(ref, datasets, opts.mismatch, calibration.get("gn_rss_decrease_m2"))
-                    timings["model_check"] = time.perf_counter() - ts
-                if opts.prior_dominated_ratio is not None and fopts.prior_std and after_fit:
-                    center = {n: float(v) for n, v in centre.named().items()}
-                    dominated = prior_dominated(std, center, fopts.prior_std, opts.prior_dominated_ratio)
-                    if dominated:
-                        params = params.with_values({n: center[n] for n in dominated})
-                        std.update({n: p for n, (_, p) in dominated.items()})
-                if opts.heldout_check and after_fit:
-                    ts = time.perf_counter()
-                    _announce(callback, "held_out", "held-out check (the fit and the nominal on unseen windows)")
-                    heldout = compare_on_held_out(held_prob, params, prior, fit_delay_s=delay,
-                                                  prior_delay_s=start_delay, margin_sigma=opts.heldout_margin_sigma)
-                    timings["held_out"] = time.perf_counter() - ts
-                if opts.law_check and after_fit:
-                    ts = time.perf_counter()
-                    _announce(callback, "string_law", "string-law check (the actuated strings' other law, refitted)")
-                    law = check_string_law(structure, datasets, ref, centre, scored=whole, backend=opts.backend,
-                                           integrator=opts.integrator, margin_sigma=opts.law_margin_sigma)
-                    std, note = widen(std, law)
-                    if note:
-                        notes.append(note)
-                    timings["string_law"] = time.perf_counter() - ts
+                if after_fit:
+                    if opts.covariance:
+                        ts = time.perf_counter()
+                        _announce(callback, "covariance", "standard deviations (Gauss-Newton covariance, sandwich)")
+                        from .uncertainty import gauss_newton_covariance
+                        cov = gauss_newton_covariance(ref.problem, ref.w, ref.x0, noise_std_m=fopts.noise_std_m,
+                                                      max_windows=opts.covariance_windows, calibrate=opts.uncertainty)
+                        calibration = dict(cov.calibration)
+                        # stage-2 values supersede stage 1 for the parameters it estimated
+                        for n in cov.names:
+                            std[n] = cov.std_devs[n]
+                            ident[n] = cov.identifiability[n]
+                            identifiable[n] = cov.identifiable[n]
+                        ratios = dict(cov.ratios)     # only when stage 2's scale is a gauge (nothing fixes it)
+                        nonid = [d for d in nonid if d.startswith("scale")] if ref.problem.gauge else []
+                        nonid.extend(cov.weak_directions)
+                        notes.extend(cov.notes)
+                        timings["covariance"] = time.perf_counter() - ts
+                    if opts.model_check:
+                        ts = time.perf_counter()
+                        _announce(callback, "model_check", "model check (residual against the marker noise)")
+                        mismatch = model_check(ref, datasets, opts.mismatch, calibration.get("gn_rss_decrease_m2"))
+                        timings["model_check"] = time.perf_counter() - ts
+                    if opts.prior_dominated_ratio is not None and fopts.prior_std:
+                        center = {n: float(v) for n, v in centre.named().items()}
+                        dominated = prior_dominated(std, center, fopts.prior_std, opts.prior_dominated_ratio)
+                        if dominated:
+                            params = params.with_values({n: center[n] for n in dominated})
+                            std.update({n: p for n, (_, p) in dominated.items()})
+                    if opts.heldout_check:
+                        ts = time.perf_counter()
+                        _announce(callback, "held_out", "held-out check (the fit and the nominal on unseen windows)")
+                        heldout = compare_on_held_out(held_prob, params, prior, fit_delay_s=delay,
+                                                      prior_delay_s=start_delay, margin_sigma=opts.heldout_margin_sigma)
+                        timings["held_out"] = time.perf_counter() - ts
+                    if opts.law_check:
+                        ts = time.perf_counter()
+                        _announce(callback, "string_law",
+                                  "string-law check (the actuated strings' other law, refitted)")
+                        law = check_string_law(structure, datasets, ref, centre, scored=whole, backend=opts.backend,
+                                               integrator=opts.integrator, margin_sigma=opts.law_margin_sigma)
+                        std, note = widen(std, law)
+                        if note:
+                            notes.append(note)
+                        timings["string_law"] = time.perf_counter() - ts
             elif reg is not None and opts.residual:
                 # residual of the stage-1 result (one forward multiple-shooting evaluation)
                 try:
