@@ -229,12 +229,6 @@ def output_tolerances(output_map, options: MPCOptions) -> np.ndarray:
                                                       else options.node_tol_m) for n, a in zip(names, ang)])
 
 
-def _all_finite(*arrays) -> bool:
-    """Every entry finite: a sum is finite only if every term is (or it overflows, from values no linearisation
-    should hold either); 4x cheaper than np.isfinite(...).all() on the (N, n, n) Jacobians, a cycle's 0.4 ms."""
-    return all(math.isfinite(float(np.sum(a))) for a in arrays)
-
-
 def project_plan(v: np.ndarray, u_prev: np.ndarray, lower: np.ndarray, upper: np.ndarray,
                  max_step: float) -> np.ndarray:
     """(M, A) plan clipped block by block into the box and the rate limit relative to the block before
@@ -357,7 +351,8 @@ class PlateMPC:
         if A.shape[1:] != (n, n) or B.shape[1:] != (n, nu) or ubar.shape[1] != nu:
             raise ValueError(f"shapes: xbar {xbar.shape}, ubar {ubar.shape}, A {A.shape}, B {B.shape} (A = {nu})")
         xbar, ubar, A, B = xbar[:N + 1], ubar[:N + 1], A[:N], B[:N]
-        if not _all_finite(xbar, ubar, A, B):
+        if not (np.all(np.isfinite(xbar)) and np.all(np.isfinite(ubar)) and np.all(np.isfinite(A))
+                and np.all(np.isfinite(B))):
             return self.hold(u_prev, dt, Status.FAILED, "linearisation not finite: holding", t_start)
         x0 = self._blend_velocities(np.asarray(x0, dtype=float).reshape(n), elapsed_s, n)
         dx0 = x0 - xbar[0]
@@ -404,13 +399,13 @@ class PlateMPC:
         # each step's input term, for all steps at once: B_k [W_k,0 diag .. W_k,M-1 diag] (N, n, M nu) and its
         # constant part B_k ebar_k + d (N, n); then the recurrence is one (n, n) x (n, M nu) product per step
         # (this was a Python loop over the knots of each step with an np.any per knot: 4 ms of the 15-ms cycle,
-        # measured 2026-11-26). Written in place: the broadcast product and its reshaped copy cost 1 ms a cycle.
+        # measured 2026-11-26). Written in place: the broadcast product and then its reshaped copy took 2-3x as long.
         BW = np.empty((N, n, M, nu))
         np.multiply(B[:, :, None, :], Weff[:, None, :, :], out=BW)
         BW = BW.reshape(N, n, M * nu)
         Bc = np.einsum("knu,ku->kn", B, ebar) + d
         # A block's columns of S stay zero until its ramp begins (the plan is causal), so each step multiplies
-        # only the prefix of blocks that have entered: ~55 % of the columns on average over the default horizon
+        # only the prefix of blocks that have entered (55 % of the columns on average over the default horizon)
         entered = np.logical_or.accumulate(np.any(Weff != 0.0, axis=2), axis=0)       # (N, M)
         width = nu * np.where(entered.any(1), M - np.argmax(entered[:, ::-1], axis=1), 0)
         S = np.zeros((n, M * nu))
