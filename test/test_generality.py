@@ -186,13 +186,16 @@ def identified(lab_recording, tmp_path_factory):
 
 
 def test_identify_meets_item_6s_targets_on_a_labs_recording_of_the_tower(identified):
-    """Issue 17 item 6 on 12 s of the tower, as a lab runs identify (measured 2026-11-26, bench_generality: stiffness
-    2.2 %, damping 16.1 %, mass 0.8 %, rest length 0.16 mm against the nominal's 16.7 %, 25 %, 2 %, 2 mm; 98 % of
-    66 truths inside +-2 sigma, z RMS 0.86-1.14 per kind; delay 12.3 ms against 12): it labels the shuffled
-    markers in the yawed Y-up frame, finds the delay, moves every kind closer to the truth than the nominal (by a
-    10 % margin, so that a kind left at its prior cannot pass by rounding), meets the targets on stiffness, mass
-    and rest length (damping: the strict xfail below), and reports sigmas that hold the truth (>= 90 % inside
-    +-2 sigma, z RMS per kind in [0.5, 2]); the model check passes and identify exits 0."""
+    """Issue 17 item 6 on 12 s of the tower, as a lab runs identify (measured 2026-11-27, this fixture: stiffness
+    1.9 %, damping 14.4 %, mass 0.5 %, rest length 0.14 mm against the nominal's 16.7 %, 25 %, 2 %, 2 mm; 100 % of
+    66 truths inside +-2 sigma, z RMS 0.81-0.98 per kind): it labels the shuffled markers in the yawed Y-up frame,
+    finds the delay, moves every kind closer to the truth than the nominal (by a 10 % margin, so that a kind left
+    at its prior cannot pass by rounding), meets every target, and reports sigmas that hold the truth (>= 90 %
+    inside +-2 sigma, z RMS per kind in [0.5, 2]); the model check passes and identify exits 0.
+
+    Damping is the narrow one: 16.1 % before the engine's steps followed a curve through the 120-Hz motor samples
+    (a line cut the 9-Hz family's rates by up to 23 %); on seed 1 (bench_generality) the tower's median damping
+    stays at 16.7 %, the prior's distance, so this target holds for this recording, not for every one."""
     s, text, rc = identified
     assert rc == 0 and "MODEL MISMATCH" not in text, text[-2000:]
     assert LawCheck.verdict_in(text) in ("file_law_better", "no_clear_difference")   # the check ran, file kept
@@ -200,18 +203,9 @@ def test_identify_meets_item_6s_targets_on_a_labs_recording_of_the_tower(identif
     assert delay and abs(float(delay[0].split()[1]) - I.LabHabits().mocap_latency_s) < 0.003
     for kind, k in s["kinds"].items():
         assert k["median"] < 0.9 * k["nominal_median"], (kind, k)
-        if kind != "damping":
-            assert k["median"] < TARGETS[kind], (kind, k["median"], TARGETS[kind])
+        assert k["median"] < TARGETS[kind], (kind, k["median"], TARGETS[kind])
         assert 0.5 <= k["z_rms"] <= 2.0, (kind, k["z_rms"])
     assert s["inside_2sigma"] >= COVERAGE_TARGET
-
-
-@pytest.mark.xfail(strict=True, reason="issue 17: tower damping median 16.1 % with the suite's 4-family drive "
-                                       "(target < 15 %; 14.2 % with the old 3-family drive, whose prism missed "
-                                       "stiffness by 15.8 %); README, generality suite")
-def test_tower_damping_meets_item_6s_target(identified):
-    s, _, _ = identified
-    assert s["kinds"]["damping"]["median"] < TARGETS["damping"]
 
 
 def test_a_wrong_model_is_flagged_on_a_labs_recording(lab_recording, identified, tmp_path):

@@ -121,7 +121,7 @@ def _mass_tangents(c: NodalConstants, der: Derived, dth: ParamTangents) -> _Mass
 
 
 def _linearise(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], mt: Optional[_MassTangents], Q, V,
-               u, ud, du, fq, opts: Options, ct: NodalConstants, dert: Derived) -> _Linearised:
+               u, ud, du, dud, fq, opts: Options, ct: NodalConstants, dert: Derived) -> _Linearised:
     """The primal from (c, der) in the state's dtype; the matrices from (ct, dert, dth, mt) in theirs."""
     B, _, nf = Q.shape
     n = 3 * nf
@@ -134,7 +134,7 @@ def _linearise(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], mt
     w = (st.tension @ c.Gt / xi).to(tdt)                                  # segment tension / length
     act = (st.tension > 0).to(tdt)                                        # (B, S)
     e = e.to(tdt)
-    u, ud, du = (None if x is None else x.to(tdt) for x in (u, ud, du))
+    u, ud, du, dud = (None if x is None else x.to(tdt) for x in (u, ud, du, dud))
     c, der = ct, dert
     Ew = _kron_cols(e, c.Cst)                                             # (B, n, ns)
     Gm = Ew @ c.G                                                         # (B, n, S)  g_c
@@ -162,6 +162,8 @@ def _linearise(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], mt
                 dxi0d = (ud @ dYf).reshape(-1, S_, P_)
             if du is not None:
                 dxi0 = dxi0 + der.Y @ du
+            if dud is not None:
+                dxi0d = dxi0d + der.Y @ dud
         EA = der.EA
         # dT of T = (EA / xi0 + kc) D + zeta D' (module docstring); the kc terms are exact zeros for cord strings
         dT = act.unsqueeze(-1) * ((D / xi0).unsqueeze(-1) * dth.EA + Dd.unsqueeze(-1) * dth.zeta
@@ -231,10 +233,10 @@ def _chord_maps(x: torch.Tensor, d: torch.Tensor, d0: torch.Tensor, c: NodalCons
 
 
 def _step(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], mt: Optional[_MassTangents], Q, V,
-          u, ud, du, fq, h: float, opts: Options, ct: NodalConstants, dert: Derived):
+          u, ud, du, dud, fq, h: float, opts: Options, ct: NodalConstants, dert: Derived):
     """One engine step and its tangent map in row form: [dQ1 dV1] = [dQ dV] Phi (+ Psi for the P parameter
     directions). Returns Q1, V1 (primal dtype), Phi (B, 2n, 2n), Psi (B, P, 2n) or None (ct's dtype)."""
-    lin = _linearise(c, der, dth, mt, Q, V, u, ud, du, fq, opts, ct, dert)
+    lin = _linearise(c, der, dth, mt, Q, V, u, ud, du, dud, fq, opts, ct, dert)
     B, _, nf = Q.shape
     n = 3 * nf
     tdt = ct.T.dtype
@@ -302,12 +304,13 @@ def project_with_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTa
 
 def rollout_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], Q0, V0, SQ0, SV0,
                      u, ud, du, fq, dt: float, n_steps: int, opts: Options, sample_steps: torch.Tensor,
-                     dtype: Optional[torch.dtype] = None):
+                     dtype: Optional[torch.dtype] = None, dud=None):
     """``n_steps`` semi-implicit steps of B windows with C tangent directions, sampled at fractional steps.
 
     Q0, V0: (B, 3, nf) reduced start state; SQ0, SV0: (B, C, 3, nf) its tangents; the first P directions
     are the parameter directions of ``dth`` (P = 0 when None). u, ud: (n_steps, B, A) motor angles and
-    rates or None; du: (n_steps, B, A, P) motor-angle tangents or None; fq: (n_steps, B, 3, nf) reduced
+    rates or None; du, dud: (n_steps, B, A, P) motor-angle and motor-rate tangents or None (a rate that depends
+    on a parameter: the motor-to-mocap delay shifts a curved input); fq: (n_steps, B, 3, nf) reduced
     external forces or None. sample_steps: (B, H) fractional step index of each sample in [0, n_steps]
     (linear interpolation between the states after steps k and k + 1, as ``RefineProblem.simulate``).
     dtype: of the tangents (default: the state's). float32 halves the cost of the matrix products; the
@@ -347,7 +350,8 @@ def rollout_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangent
     record(0, Q, S[..., :n])
     for k in range(n_steps):
         Q, V, Phi, Psi = _step(c, der, dth, mt, Q, V, None if u is None else u[k], None if ud is None else ud[k],
-                               None if du is None else du[k], None if fq is None else fq[k], float(dt), opts, ct, dert)
+                               None if du is None else du[k], None if dud is None else dud[k],
+                               None if fq is None else fq[k], float(dt), opts, ct, dert)
         S = S @ Phi
         if Psi is not None:
             S[:, :P] += Psi

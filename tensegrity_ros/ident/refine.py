@@ -570,37 +570,30 @@ class RefineProblem:
         return from_unconstrained(z, self.template), z
 
     # ---------------------------------------------------------------------------------------------
+    def _motor_curve(self, delay: torch.Tensor, copies: int = 1):
+        """Motor angles, rates and their rates of change (C*B, n_steps, A) at each step's start time less the
+        delay (:func:`_hermite` between the recorded samples; irregular stamps allowed); delay: () or (C,) s."""
+        steps = torch.arange(self.n_steps, dtype=self.dtype, device=self.device) * self.sim_dt
+        U, Ut = self.U, self.U_t
+        if copies > 1:
+            U = U.repeat(copies, 1, 1)
+            Ut = Ut.repeat(copies, 1)
+            d = delay.reshape(copies, 1).repeat_interleave(self.B_win, dim=0)          # (C*B, 1)
+        else:
+            d = delay.reshape(-1)[:1].reshape(1, 1) if delay.dim() else delay
+        tau = steps[None, :] - d                                                      # (CB, n) query times
+        return _hermite(U, Ut, tau, _primal(tau) if _is_dual(tau) else tau.detach())
+
     def _inputs(self, delay: torch.Tensor, copies: int = 1) -> Optional[Inputs]:
         """Engine inputs (n_steps, C*B, ...) for ``copies`` parameter copies; delay: () or (C,) s.
 
-        Motor angles are linearly interpolated at (step start time - delay) between the recorded samples
-        (irregular stamps allowed); their rate is the slope of that segment. Forces are held per sample.
+        Motor angles and rates: :meth:`_motor_curve`. Forces are held per sample.
         """
         n = self.n_steps
-        h = self.sim_dt
         C = copies
         kw = {}
         if self.U is not None:
-            steps = torch.arange(n, dtype=self.dtype, device=self.device) * h
-            U, Ut = self.U, self.U_t
-            if C > 1:
-                U = U.repeat(C, 1, 1)
-                Ut = Ut.repeat(C, 1)
-                d = delay.reshape(C, 1).repeat_interleave(self.B_win, dim=0)          # (C*B, 1)
-            else:
-                d = delay.reshape(-1)[:1].reshape(1, 1) if delay.dim() else delay
-            tau = steps[None, :] - d                                                  # (CB, n) query times
-            M = U.shape[1]
-            tq = _primal(tau) if _is_dual(tau) else tau.detach()
-            i0 = torch.clamp(torch.searchsorted(Ut.contiguous(), tq.expand(Ut.shape[0], -1).contiguous(),
-                                                right=True) - 1, 0, M - 2)
-            ta = torch.gather(Ut, 1, i0)
-            tb = torch.gather(Ut, 1, i0 + 1)
-            frac = (tau - ta) / (tb - ta)
-            Ua = torch.gather(U, 1, i0[..., None].expand(-1, -1, U.shape[2]))
-            Ub = torch.gather(U, 1, (i0 + 1)[..., None].expand(-1, -1, U.shape[2]))
-            u = Ua + frac[..., None] * (Ub - Ua)
-            ud = (Ub - Ua) / (tb - ta)[..., None]
+            u, ud, _ = self._motor_curve(delay, C)
             kw["motor_angles"] = u.transpose(0, 1)
             kw["motor_velocities"] = ud.transpose(0, 1)
 
@@ -821,7 +814,7 @@ class RefineProblem:
         with torch.no_grad():
             Q0, V0, SQ0, SV0 = self._start_tangents(der, dth, x0, n_w)
         inp = self._inputs(self.delay_of(w))
-        u = ud = du = fq = None
+        u = ud = du = dud = fq = None
         if inp is not None:
             u, ud = inp.motor_angles, inp.motor_velocities
             if inp.external_forces is not None:
@@ -829,9 +822,11 @@ class RefineProblem:
             if self.opts.estimate_delay and u is not None:
                 du = torch.zeros(*u.shape, n_w, dtype=self.dtype, device=self.device)
                 du[..., -1] = -ud * DELAY_UNIT_S                   # u(t - delay): du/d delay = -u'
+                dud = torch.zeros_like(du)
+                dud[..., -1] = -self._motor_curve(self.delay_of(w))[2].transpose(0, 1) * DELAY_UNIT_S   # -u''
         with torch.no_grad():
             Qs, S = tangent.rollout_tangents(c, der, dth, Q0, V0, SQ0, SV0, u, ud, du, fq, self.sim_dt,
-                                             self.n_steps, self.engine.options, self.f_steps)
+                                             self.n_steps, self.engine.options, self.f_steps, dud=dud)
         obs = torch.as_tensor(self.obs_idx, device=self.device)
         m = self.mask.to(self.dtype)
         X = (Qs @ c.Tt + c.XcT).mT.index_select(-2, obs)                       # (B, H, No, 3)
@@ -864,6 +859,35 @@ class RefineProblem:
 # =====================================================================================================
 # optimisation
 # =====================================================================================================
+def _hermite(U: torch.Tensor, Ut: torch.Tensor, tau: torch.Tensor, tq: torch.Tensor):
+    """Samples U (B, M, A) at times Ut (B, M, increasing) interpolated at tau (B, n) (tq: its primal values, which
+    pick the segments): values, rates and second derivatives (B, n, A), differentiable in tau (forward and reverse
+    mode).
+
+    Cubic Hermite on each segment [t1, t2], tangents from the neighbours, (p2 - p0) / (t2 - t0) (one-sided at the
+    ends; outside the samples the end segment's curve continues, as the line did). Why not a line: the 120-Hz
+    samples are interpolated at the engine's ~1.7-ms steps, and a line cuts a 9-Hz drive's peaks by up to 2.8 %
+    (1.2 % of its amplitude on average) and puts a rate error of up to 23 % of the peak rate into the strings'
+    damping term; this curve: 0.18 % and 3.7 %."""
+    M = U.shape[1]
+    i1 = torch.clamp(torch.searchsorted(Ut.contiguous(), tq.expand(Ut.shape[0], -1).contiguous(), right=True) - 1,
+                     0, M - 2)
+    i0, i2, i3 = torch.clamp(i1 - 1, min=0), i1 + 1, torch.clamp(i1 + 2, max=M - 1)
+    t0, t1, t2, t3 = (torch.gather(Ut, 1, i) for i in (i0, i1, i2, i3))
+    p0, p1, p2, p3 = (torch.gather(U, 1, i[..., None].expand(-1, -1, U.shape[2])) for i in (i0, i1, i2, i3))
+    hseg = (t2 - t1)[..., None]
+    m1 = (p2 - p0) / (t2 - t0)[..., None]
+    m2 = (p3 - p1) / (t3 - t1)[..., None]
+    s = (tau - t1)[..., None] / hseg
+    s2, s3 = s * s, s * s * s
+    u = ((2 * s3 - 3 * s2 + 1) * p1 + (s3 - 2 * s2 + s) * hseg * m1 + (3 * s2 - 2 * s3) * p2
+         + (s3 - s2) * hseg * m2)
+    ud = ((6 * s2 - 6 * s) * p1 + (3 * s2 - 4 * s + 1) * hseg * m1 + (6 * s - 6 * s2) * p2
+          + (3 * s2 - 2 * s) * hseg * m2) / hseg
+    udd = ((12 * s - 6) * (p1 - p2) + (6 * s - 4) * hseg * m1 + (6 * s - 2) * hseg * m2) / (hseg * hseg)
+    return u, ud, udd
+
+
 def _is_dual(t: torch.Tensor) -> bool:
     import torch.autograd.forward_ad as fwAD
     try:
