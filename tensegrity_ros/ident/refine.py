@@ -856,9 +856,6 @@ class RefineProblem:
         return L
 
 
-# =====================================================================================================
-# optimisation
-# =====================================================================================================
 def _hermite(U: torch.Tensor, Ut: torch.Tensor, tau: torch.Tensor, tq: torch.Tensor):
     """Samples U (B, M, A) at times Ut (B, M, increasing) interpolated at tau (B, n) (tq: its primal values, which
     pick the segments): values, rates and second derivatives (B, n, A), differentiable in tau (forward and reverse
@@ -908,6 +905,9 @@ class _Stop(Exception):
         self.why = why
 
 
+# =====================================================================================================
+# optimisation
+# =====================================================================================================
 def refine(structure: Structure, data: Union[Dataset, Sequence[Dataset]], start: Params,
            options: RefineOptions = RefineOptions(), *, backend: str = "nodal", integrator: str = "semi_implicit",
            callback: Optional[Callable[[Dict[str, Any]], Any]] = None) -> RefineResult:
