@@ -596,10 +596,10 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                         mismatch = model_check(ref, datasets, opts.mismatch, calibration.get("gn_rss_decrease_m2"))
                         timings["model_check"] = time.perf_counter() - ts
                     if opts.prior_dominated_ratio is not None and fopts.prior_std:
-                        center = {n: float(v) for n, v in centre.named().items()}
-                        dominated = prior_dominated(std, center, fopts.prior_std, opts.prior_dominated_ratio)
+                        centre_values = {n: float(v) for n, v in centre.named().items()}
+                        dominated = prior_dominated(std, centre_values, fopts.prior_std, opts.prior_dominated_ratio)
                         if dominated:
-                            params = params.with_values({n: center[n] for n in dominated})
+                            params = params.with_values({n: centre_values[n] for n in dominated})
                             std.update({n: p for n, (_, p) in dominated.items()})
                     if opts.heldout_check:
                         ts = time.perf_counter()
