@@ -86,7 +86,14 @@ def run(ident_s: float = 60.0, seed: int = 0, out: Path = OUT, demo_out: Path = 
                         ("controller rate [Hz]", i["controller_rate_hz"], n["controller_rate_hz"]),
                         ("solve p50 [ms]", i["solve_ms_p50"], n["solve_ms_p50"]),
                         ("solve p99 [ms]", i["solve_ms_p99"], n["solve_ms_p99"]),
-                        ("plan points over limits / rate", i["plan_violations"], n["plan_violations"])):
+                        ("plan points over limits / rate", i["plan_violations"], n["plan_violations"]),
+                        ("holds (cycles without a solve)", i.get("holds"), n.get("holds")),
+                        ("node-state age at solve p99 [ms]", i.get("state_age_ms_p99"), n.get("state_age_ms_p99")),
+                        ("linearisation age at solve p99 [ms]", i.get("linearization_age_ms_p99"),
+                         n.get("linearization_age_ms_p99")),
+                        ("linearisation round trip p50 [ms]", i.get("linearize_ms_p50"), n.get("linearize_ms_p50")),
+                        ("... of which the worker p50 [ms]", i.get("linearize_worker_ms_p50"),
+                         n.get("linearize_worker_ms_p50"))):
         print(f"{label:<40}{_fmt(a):>14}{_fmt(b):>14}")
     o = c.get("open_loop_reference", {})
     print(f"reference: the open-loop sinusoids move the plate {_fmt(o.get('plate_motion_rms_mm'))} mm RMS; holding "

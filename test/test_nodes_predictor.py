@@ -358,3 +358,9 @@ def test_step_jacobian_table_matches_the_interpolated_windows():
     np.testing.assert_allclose(lin.step_jacobians(25, 10)[0][-1], lin.jacobians_at(np.array([K - 1]))[0, :, :n])
     # between two sampled steps: linear
     np.testing.assert_allclose(lin.step_jacobians(5, 1)[0][0], 0.5 * (lin.J[0] + lin.J[1])[:, :n], atol=1e-14)
+    # the controller's path: the nominal's extension without the float32 table, the same as expand()'s
+    lin.extend(8)
+    assert lin.Jk32 is None and lin.xe.shape == (K + 1 + lin.ext_steps, n)
+    full = Linearization(t0=0.0, dt=0.01, x=lin.x, u=lin.u, ks=lin.ks, J=lin.J, set_id="", compute_s=0.0).expand(8)
+    np.testing.assert_array_equal(full.xe, lin.xe)
+    np.testing.assert_allclose(full.Jk32, np.concatenate(lin.AB64, axis=2), rtol=1e-6, atol=1e-6)

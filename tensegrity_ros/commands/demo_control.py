@@ -330,12 +330,18 @@ def _control_phase(graph, controller, probe, model: str, target: ControlTarget, 
                           f"{controller.solve.percentile(50) * 1e3:5.1f} ms | target {controller.target_reason}"
                           + (f" | {last.message}" if last is not None and last.message else ""))
         marks[mark] = {"t": controller.now_s(), "solves": controller.solve.count, "cycles": controller.cycles,
+                       "linearizations": controller.lin_time.count,
                        "plans": probe.plans, "violations": probe.violations, "clamped": _driver_clamped(graph),
                        "set_id": controller.set_id}
     n_new = marks["track_end"]["solves"] - marks["track_start"]["solves"]
-    solve = controller.solve.values()[-n_new:] if n_new > 0 else np.zeros(0)
+    n_lin = marks["track_end"]["linearizations"] - marks["track_start"]["linearizations"]
+
+    def last(stats, n):
+        return stats.values()[-n:] if n > 0 else np.zeros(0)
     span = marks["track_end"]["t"] - marks["track_start"]["t"]
-    return {"model": model, "t0": t0, "marks": marks, "solve_s": solve,
+    return {"model": model, "t0": t0, "marks": marks, "solve_s": last(controller.solve, n_new),
+            "state_age_s": last(controller.state_age, n_new), "linearization_age_s": last(controller.lin_age, n_new),
+            "linearize_s": last(controller.lin_time, n_lin), "linearize_worker_s": last(controller.lin_worker, n_lin),
             "rate_hz": n_new / span if span > 0 else math.nan,
             "holds": (marks["track_end"]["cycles"] - marks["track_start"]["cycles"]) - n_new,
             "plans": marks["track_end"]["plans"] - marks["track_start"]["plans"],
@@ -347,12 +353,17 @@ def _control_phase(graph, controller, probe, model: str, target: ControlTarget, 
 
 def _score(phase: dict, target: ControlTarget, stamps, poses) -> dict:
     _, pos, ang = tracking_errors(stamps, poses, target, phase["t0"], (0.0, TRACK_S))
-    s = phase["solve_s"] * 1e3
+    ms = {}
+    for key, name in (("solve_s", "solve_ms"), ("state_age_s", "state_age_ms"),
+                      ("linearization_age_s", "linearization_age_ms"), ("linearize_s", "linearize_ms"),
+                      ("linearize_worker_s", "linearize_worker_ms")):
+        v = phase[key] * 1e3
+        for q in (50, 99):
+            ms[f"{name}_p{q}"] = float(np.percentile(v, q)) if v.size else math.nan
     return {"rmse_mm": rms_error(pos) * 1e3, "max_error_mm": float(pos.max() * 1e3) if pos.size else math.nan,
             "angle_rmse_deg": math.degrees(rms_error(ang)) if ang.size else math.nan, "samples": int(pos.size),
-            "controller_rate_hz": phase["rate_hz"], "holds": int(phase["holds"]),
-            "solve_ms_p50": float(np.percentile(s, 50)) if s.size else math.nan,
-            "solve_ms_p99": float(np.percentile(s, 99)) if s.size else math.nan,
+            "controller_rate_hz": phase["rate_hz"], "holds": int(phase["holds"]), **ms,
+            "linearizations": int(phase["linearize_s"].size),
             "plans_checked": int(phase["plans"]), "plan_violations": int(phase["violations"]),
             "parameter_set_id": phase["set_id"], "last_status": phase["last_status"]}
 
@@ -544,6 +555,15 @@ def _report_lines(c: dict, plot: Optional[Path], console: bool = False) -> List[
             ("solve p50 / p99 [ms]", f"{i['solve_ms_p50']:.1f} / {i['solve_ms_p99']:.1f}",
              f"{n['solve_ms_p50']:.1f} / {n['solve_ms_p99']:.1f}"),
             ("holds (cycles without a solve)", str(i["holds"]), str(n["holds"])),
+            # where the cycles' time went (graph delays, worker under load): what explains a missed rate or RMSE
+            ("node-state age at solve p50 / p99 [ms]", f"{i['state_age_ms_p50']:.0f} / {i['state_age_ms_p99']:.0f}",
+             f"{n['state_age_ms_p50']:.0f} / {n['state_age_ms_p99']:.0f}"),
+            ("linearisation age at solve p50 / p99 [ms]",
+             f"{i['linearization_age_ms_p50']:.0f} / {i['linearization_age_ms_p99']:.0f}",
+             f"{n['linearization_age_ms_p50']:.0f} / {n['linearization_age_ms_p99']:.0f}"),
+            ("linearisations: count, round trip p50, worker p50 [ms]",
+             f"{i['linearizations']}, {i['linearize_ms_p50']:.0f}, {i['linearize_worker_ms_p50']:.0f}",
+             f"{n['linearizations']}, {n['linearize_ms_p50']:.0f}, {n['linearize_worker_ms_p50']:.0f}"),
             ("plan points over limits / rate", str(i["plan_violations"]), str(n["plan_violations"])),
             ("parameter set", str(i["parameter_set_id"]), "nominal")]
     head = (f"target: circle r {t['radius_mm']:.0f} mm, {t['period_s']:g} s per lap in {t['plane']} + pitch step "

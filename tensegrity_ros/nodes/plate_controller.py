@@ -129,7 +129,13 @@ class PlateControllerNode(C.GraphNode):
         self.last = None                    # last MPCResult
         self._last_stamp = None
         self.solve = C.RollingStats(2000)
-        self.lin_time = C.RollingStats(200)
+        # where a cycle's time went, one sample per solve: how old the node states were at the tick (mocap ->
+        # ingest -> DDS -> this callback) and how old the linearisation it solved along was (its start state's
+        # stamp to the state's), beside each linearisation's compute time (submit to result, worker included)
+        self.state_age = C.RollingStats(2000)
+        self.lin_age = C.RollingStats(2000)
+        self.lin_time = C.RollingStats(2000)
+        self.lin_worker = C.RollingStats(2000)   # of which the worker's own compute (the rest: transfer, tables)
         self.cycles = 0
         self.plate_error = (math.nan, math.nan)
 
@@ -268,10 +274,12 @@ class PlateControllerNode(C.GraphNode):
                 if self.p["model"] != model:        # the model changed meanwhile: this one is of the old
                     continue
                 # a late next linearisation: continue this one with its frozen last-step model (bounded, see
-                # Linearization.expand) rather than hold
-                lin.expand(self.N).tabulate_steps()    # the per-step tables, here and not in a cycle
+                # Linearization.expand) rather than hold; the float32 per-message table is the predictor's, not
+                # built here
+                lin.extend(self.N).tabulate_steps()    # the per-step tables, here and not in a cycle
                 self._lin = lin
                 self.lin_time.add(time.perf_counter() - t_start)
+                self.lin_worker.add(lin.compute_s)
             except Exception as e:  # noqa: BLE001 - a failed linearisation makes the next cycles stale, said so
                 self.get_logger().error(f"linearisation failed: {e}", throttle_duration_sec=5.0)
 
@@ -308,6 +316,8 @@ class PlateControllerNode(C.GraphNode):
             self._last_stamp = st.stamp
             if res.ok:                 # a computed plan (a stale or failed answer returns before the QP: no solve)
                 self.solve.add(res.solve_s)
+                self.state_age.add(now - st.stamp)
+                self.lin_age.add(st.stamp - lin.t0)
         self.last, self.cycles = res, self.cycles + 1
         if res.error_now is not None:
             self.plate_error = (float(np.linalg.norm(res.error_now[:3])), float(np.abs(res.error_now[3:6]).max()))
@@ -345,6 +355,9 @@ class PlateControllerNode(C.GraphNode):
                 "limits_active": 0 if r is None else r.active_limits}
         vals.update(self.solve.summary(1e3, "solve_ms_"))
         vals.update(self.lin_time.summary(1e3, "linearize_ms_"))
+        vals.update(self.lin_worker.summary(1e3, "linearize_worker_ms_"))
+        vals.update(self.lin_age.summary(1e3, "linearization_age_ms_"))
+        vals.update(self.state_age.summary(1e3, "state_age_ms_"))
         self.publish_diagnostics([C.diag_status(self.get_name(), level, f"{status}; target {self.target_reason}",
                                                 vals)])
 

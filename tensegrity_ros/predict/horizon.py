@@ -60,9 +60,7 @@ class Linearization:
     def expand(self, extend_steps: int = 0) -> "Linearization":
         """Per-step Jacobians, and the nominal extended by up to ``extend_steps`` steps past its end.
 
-        Interpolation: written segment by segment into one preallocated array (the former fancy-indexed
-        ``(1 - w) J[j] + w J[j + 1]`` allocated five K x n x (n+A) temporaries: 0.4 s for a 6-s nominal of
-        the manipulator, in the node's process).
+        Interpolation: :meth:`_per_step`, into float32 (``Jk32``).
 
         Extension (what a message gets when the next nominal is late, instead of nothing): the nominal is
         continued with the affine model of its last step, x_{K+j+1} = x_K + A_{K-1} (x_{K+j} - x_{K-1})
@@ -79,22 +77,32 @@ class Linearization:
             # nominal of the manipulator: out of cache, memory-bound) and its deviations are mm-scale (7 digits
             # are plenty). Measured: 0.75 -> 0.24 ms per 1-s prediction alone, 1.9 -> 0.43 ms with the caches
             # polluted as in the demo; interpolating straight into float32 also halves this step's writes
-            K, ks, J = self.steps, self.ks, self.J
-            if ks.size == K:
-                Jk = np.ascontiguousarray(J, dtype=np.float32)
-            else:
-                Jk = np.empty((K,) + J.shape[1:], dtype=np.float32)
-                dJ = np.empty(J.shape[1:])
-                for j in range(ks.size - 1):
-                    k0, k1 = int(ks[j]), (int(ks[j + 1]) if j + 2 < ks.size else K)
-                    w = (np.arange(k0, k1) - ks[j]) / (ks[j + 1] - ks[j])
-                    np.subtract(J[j + 1], J[j], out=dJ)
-                    np.multiply(w[:, None, None], dJ, out=Jk[k0:k1], casting="same_kind")
-                    Jk[k0:k1] += J[j].astype(np.float32)
-            self.Jk32 = Jk
+            self.Jk32 = self._per_step(np.float32)
+        return self.extend(extend_steps)
+
+    def extend(self, extend_steps: int) -> "Linearization":
+        """Only the nominal's extension (``xe``, ``ue``) of :meth:`expand`, without the float32 per-step table:
+        for a user that reads the Jacobians from :meth:`tabulate_steps` (the controller)."""
         if self.xe is None or self.ext_steps < extend_steps:
             self._extend(extend_steps)
         return self
+
+    def _per_step(self, dtype) -> np.ndarray:
+        """(K, n, n + A) [A_k | B_k] of every step in ``dtype``, linear between the sampled steps: written
+        segment by segment into one preallocated array (fancy-indexed ``(1 - w) J[j] + w J[j + 1]`` allocates
+        five such arrays: 0.4 s for a 6-s nominal of the manipulator, in the node's process)."""
+        K, ks, J = self.steps, self.ks, self.J
+        if ks.size == K:
+            return np.ascontiguousarray(J, dtype=dtype)
+        out = np.empty((K,) + J.shape[1:], dtype=dtype)
+        dJ = np.empty(J.shape[1:])
+        for j in range(ks.size - 1):
+            k0, k1 = int(ks[j]), (int(ks[j + 1]) if j + 2 < ks.size else K)
+            w = (np.arange(k0, k1) - ks[j]) / (ks[j + 1] - ks[j])
+            np.subtract(J[j + 1], J[j], out=dJ)
+            np.multiply(w[:, None, None], dJ, out=out[k0:k1], casting="same_kind")
+            out[k0:k1] += J[j].astype(dtype, copy=False)
+        return out
 
     def _extend(self, E: int) -> None:
         K, n = self.steps, self.x.shape[1]
@@ -147,7 +155,7 @@ class Linearization:
         (interpolating its window anew each time was 4.5 ms of a 20-ms cycle, 2026-11-26). Costs the memory of
         all K steps (14 MB for the controller's 150), so the predictor's long nominals do not do it."""
         if self.AB64 is None:
-            J = self.jacobians_at(np.arange(self.steps))
+            J = self._per_step(np.float64)
             n = self.x.shape[1]
             self.AB64 = (np.ascontiguousarray(J[:, :, :n]), np.ascontiguousarray(J[:, :, n:]))
             for table in self.AB64:            # shared by every window handed out: read-only
