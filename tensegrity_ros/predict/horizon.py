@@ -399,12 +399,13 @@ class HorizonPredictor:
         bounds = np.linspace(0, n_sub, chunks + 1).round().astype(int)
         for k in range(steps):
             for c in range(chunks):
+                last = c == chunks - 1          # read after the last chunk only
                 if u is None:
-                    sim.step(None, int(bounds[c + 1] - bounds[c]))
+                    sim.step(None, int(bounds[c + 1] - bounds[c]), observe=last)
                 else:   # linear between the prediction steps (the motors move continuously)
                     w = bounds[c] / n_sub
                     sim.step((1 - w) * u[k] + w * u[k + 1], int(bounds[c + 1] - bounds[c]),
-                             (1 - w) * ud[k] + w * ud[k + 1])
+                             (1 - w) * ud[k] + w * ud[k + 1], observe=last)
             P1, V1 = sim.node_positions(), sim.node_velocities()
             out[k + 1] = np.concatenate([P1[self.free].reshape(-1), V1[self.free].reshape(-1)])
         if [int(sim.data.warning[w].number) for w in bad] != warnings0:

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import mujoco
 import numpy as np
 
-from ..frames import fit_rigid_transform
+from ..frames import cross3, fit_rigid_transform
 from ..model.schema import Structure
 from .mjcf import DEFAULT_SOLIMP, DEFAULT_SOLREF, TwinLayout, build_layout, build_mjcf, frame_along
 
@@ -154,8 +154,12 @@ class TwinSim:
         self._apply_strings()
 
     def step(self, motor_angles: Optional[Sequence[float]] = None, n_steps: int = 1,
-             motor_velocities: Optional[Sequence[float]] = None) -> None:
-        """Advance ``n_steps`` timesteps holding the given motor angles (None: keep the last ones)."""
+             motor_velocities: Optional[Sequence[float]] = None, observe: bool = True) -> None:
+        """Advance ``n_steps`` timesteps holding the given motor angles (None: keep the last ones).
+
+        ``observe=False`` skips the closing forward pass that makes positions, velocities and tensions current
+        for reading (the next step computes its own, so the motion is the same): for a caller that steps again
+        before it reads, e.g. the predictor's nominal between its motor-angle updates."""
         if motor_angles is not None and len(self.structure.actuators):
             self.set_motor_angles(motor_angles, motor_velocities)
         m, d = self.model, self.data
@@ -167,7 +171,8 @@ class TwinSim:
             self._apply_strings()
         else:
             mujoco.mj_step(m, d, nstep=int(n_steps))
-        mujoco.mj_forward(m, d)
+        if observe:
+            mujoco.mj_forward(m, d)
 
     def settle(self, seconds: float) -> None:
         """Run ``seconds`` with the motors held."""
@@ -189,7 +194,7 @@ class TwinSim:
         body = m.site_bodyid[self._site_ids]
         cvel = d.cvel[body]
         offset = d.site_xpos[self._site_ids] - d.subtree_com[m.body_rootid[body]]
-        out = cvel[:, 3:] + np.cross(cvel[:, :3], offset)
+        out = cvel[:, 3:] + cross3(cvel[:, :3], offset)     # (np.cross: a tenth of a twin nominal's time)
         out[body == 0] = 0.0
         return out
 
