@@ -571,7 +571,6 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     notes.append("the steps after the fit (covariance, model check, held-out and string-law "
                                  "checks) were skipped: the caller does not keep this fit")
                 recordings = recording_residuals(ref, datasets)
-                # the stage-1 values of parameters stage 2 did not free are kept; rest lengths etc. updated
                 if after_fit:
                     if opts.covariance:
                         ts = time.perf_counter()
@@ -580,7 +579,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                         cov = gauss_newton_covariance(ref.problem, ref.w, ref.x0, noise_std_m=fopts.noise_std_m,
                                                       max_windows=opts.covariance_windows, calibrate=opts.uncertainty)
                         calibration = dict(cov.calibration)
-                        # stage-2 values supersede stage 1 for the parameters it estimated
+                        # stage-2 values supersede stage 1 for the parameters it estimated (the others keep theirs)
                         for n in cov.names:
                             std[n] = cov.std_devs[n]
                             ident[n] = cov.identifiability[n]
