@@ -88,6 +88,8 @@ def run(ident_s: float = 60.0, seed: int = 0, out: Path = OUT, demo_out: Path = 
                         ("solve p99 [ms]", i["solve_ms_p99"], n["solve_ms_p99"]),
                         ("plan points over limits / rate", i["plan_violations"], n["plan_violations"]),
                         ("holds (cycles without a solve)", i.get("holds"), n.get("holds")),
+                        ("... of which on stale node states", i.get("hold_causes", {}).get("node_states", 0),
+                         n.get("hold_causes", {}).get("node_states", 0)),
                         ("node-state age at solve p99 [ms]", i.get("state_age_ms_p99"), n.get("state_age_ms_p99")),
                         ("linearisation age at solve p99 [ms]", i.get("linearization_age_ms_p99"),
                          n.get("linearization_age_ms_p99")),

@@ -150,9 +150,9 @@ def test_plate_controller_roundtrip(rclpy_context, ros_executor, make_node, sett
         assert float(d["solve_ms_p50"]) > 0 and float(d["linearize_ms_p50"]) > 0, d
         assert float(d["plate_error_mm"]) > 5.0 and d["target"] == "accepted", d
         # the ages of what the solved cycles used: fresh states only (older than max_input_age_s holds), along a
-        # linearisation that covered the horizon (nominal_margin_s + the horizon's extension at most)
+        # linearisation that covered the horizon (nominal_margin_s + extension_s at most)
         assert 0.0 <= float(d["state_age_ms_max"]) <= 300.0, d
-        assert 0.0 <= float(d["linearization_age_ms_p50"]) <= float(d["linearization_age_ms_max"]) <= 2500.0, d
+        assert 0.0 <= float(d["linearization_age_ms_p50"]) <= float(d["linearization_age_ms_max"]) <= 3000.0, d
         # node states stop: the next cycles hold and say stale
         assert spin_until(ros_executor, lambda: node.last is not None and node.last.status.value == "stale",
                           timeout=3)
@@ -166,6 +166,10 @@ def test_plate_controller_roundtrip(rclpy_context, ros_executor, make_node, sett
 
         assert spin_until(ros_executor, last_is_hold, timeout=5)
         assert spin_until(ros_executor, lambda: last_diag().get("status") == "stale", timeout=3)
+        # ... and the held cycles are counted by cause (the node states stopped; on a machine loaded enough, the
+        # linearisation may have aged out first)
+        d = last_diag()
+        assert int(d.get("holds_node_states", 0)) + int(d.get("holds_linearization", 0)) >= 1, d
     finally:
         ros_executor.remove_node(node)
         node.destroy_node()

@@ -330,7 +330,7 @@ def _control_phase(graph, controller, probe, model: str, target: ControlTarget, 
                           f"{controller.solve.percentile(50) * 1e3:5.1f} ms | target {controller.target_reason}"
                           + (f" | {last.message}" if last is not None and last.message else ""))
         marks[mark] = {"t": controller.now_s(), "solves": controller.solve.count, "cycles": controller.cycles,
-                       "linearizations": controller.lin_time.count,
+                       "linearizations": controller.lin_time.count, "hold_causes": dict(controller.holds),
                        "plans": probe.plans, "violations": probe.violations, "clamped": _driver_clamped(graph),
                        "set_id": controller.set_id}
     n_new = marks["track_end"]["solves"] - marks["track_start"]["solves"]
@@ -344,6 +344,9 @@ def _control_phase(graph, controller, probe, model: str, target: ControlTarget, 
             "linearize_s": last(controller.lin_time, n_lin), "linearize_worker_s": last(controller.lin_worker, n_lin),
             "rate_hz": n_new / span if span > 0 else math.nan,
             "holds": (marks["track_end"]["cycles"] - marks["track_start"]["cycles"]) - n_new,
+            "hold_causes": {c: n - marks["track_start"]["hold_causes"].get(c, 0)
+                            for c, n in marks["track_end"]["hold_causes"].items()
+                            if n > marks["track_start"]["hold_causes"].get(c, 0)},
             "plans": marks["track_end"]["plans"] - marks["track_start"]["plans"],
             "violations": marks["track_end"]["violations"] - marks["track_start"]["violations"],
             "set_id": marks["track_end"]["set_id"] if model == "identified" else "nominal",
@@ -362,7 +365,8 @@ def _score(phase: dict, target: ControlTarget, stamps, poses) -> dict:
             ms[f"{name}_p{q}"] = float(np.percentile(v, q)) if v.size else math.nan
     return {"rmse_mm": rms_error(pos) * 1e3, "max_error_mm": float(pos.max() * 1e3) if pos.size else math.nan,
             "angle_rmse_deg": math.degrees(rms_error(ang)) if ang.size else math.nan, "samples": int(pos.size),
-            "controller_rate_hz": phase["rate_hz"], "holds": int(phase["holds"]), **ms,
+            "controller_rate_hz": phase["rate_hz"], "holds": int(phase["holds"]), "hold_causes": phase["hold_causes"],
+            **ms,
             "linearizations": int(phase["linearize_s"].size),
             "plans_checked": int(phase["plans"]), "plan_violations": int(phase["violations"]),
             "parameter_set_id": phase["set_id"], "last_status": phase["last_status"]}
@@ -545,6 +549,12 @@ def run(args) -> int:
     return D.report_health(summary["health"])
 
 
+def _holds(phase: dict) -> str:
+    """'12 (linearization 9, node_states 3)': held cycles and their causes."""
+    causes = ", ".join(f"{c} {n}" for c, n in sorted(phase.get("hold_causes", {}).items()))
+    return f"{phase['holds']}" + (f" ({causes})" if causes else "")
+
+
 def _report_lines(c: dict, plot: Optional[Path], console: bool = False) -> List[str]:
     i, n, o = c["identified"], c["nominal"], c["open_loop_reference"]
     t = c["target"]
@@ -554,7 +564,7 @@ def _report_lines(c: dict, plot: Optional[Path], console: bool = False) -> List[
             ("controller rate [Hz]", f"{i['controller_rate_hz']:.1f}", f"{n['controller_rate_hz']:.1f}"),
             ("solve p50 / p99 [ms]", f"{i['solve_ms_p50']:.1f} / {i['solve_ms_p99']:.1f}",
              f"{n['solve_ms_p50']:.1f} / {n['solve_ms_p99']:.1f}"),
-            ("holds (cycles without a solve)", str(i["holds"]), str(n["holds"])),
+            ("holds (cycles without a solve)", _holds(i), _holds(n)),
             # where the cycles' time went (graph delays, worker under load): what explains a missed rate or RMSE
             ("node-state age at solve p50 / p99 [ms]", f"{i['state_age_ms_p50']:.0f} / {i['state_age_ms_p99']:.0f}",
              f"{n['state_age_ms_p50']:.0f} / {n['state_age_ms_p99']:.0f}"),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import Counter
 from typing import Optional
 
 import numpy as np
@@ -43,8 +44,11 @@ PARAMS = (
     ParamSpec("control_period_s", 0.05, "control cycle [s] (= plan knot spacing)", range=(0.005, 1.0), read_only=True),
     ParamSpec("dt", 0.01, "prediction step [s]", range=(1e-3, 0.1), read_only=True),
     ParamSpec("horizon_s", 0.5, "MPC horizon [s]", range=(0.02, 5.0), read_only=True),
-    ParamSpec("nominal_margin_s", 1.0, "nominal length beyond the horizon, so one linearisation serves several "
+    ParamSpec("nominal_margin_s", 0.3, "nominal length beyond the horizon, so one linearisation serves several "
               "cycles [s]", range=(0.0, 10.0), read_only=True),
+    ParamSpec("extension_s", 1.0, "a late linearisation's nominal is continued along its frozen last-step model for "
+              "up to this long past its end (bounded by the nominal's own range of motion) before the plate "
+              "holds [s]", range=(0.0, 10.0), read_only=True),
     ParamSpec("relinearize_period_s", 0.1, "shortest time between the starts of two linearisations [s] (each "
               "costs ~0.15 s of a core alone, more under load)", range=(0.0, 10.0), read_only=True),
     ParamSpec("jac_stride", 10, "step Jacobians every n prediction steps, linear in between", range=(1, 100),
@@ -105,6 +109,7 @@ class PlateControllerNode(C.GraphNode):
         self.N = max(1, int(round(p["horizon_s"] / p["dt"])))
         self.block = max(1, int(round(p["control_period_s"] / p["dt"])))
         self.lin_steps = self.N + max(self.block, int(round(p["nominal_margin_s"] / p["dt"])))
+        self.ext_steps = max(self.N, int(round(p["extension_s"] / p["dt"])))
         self.options = MPCOptions(horizon_steps=self.N, block_steps=self.block, position_tol_m=p["position_tol_m"],
                                   angle_tol_rad=p["angle_tol_rad"], max_rate_rad_s=p["max_rate_rad_s"],
                                   limit_margin_rad=p["limit_margin_rad"], disturbance=p["disturbance"],
@@ -136,6 +141,7 @@ class PlateControllerNode(C.GraphNode):
         self.lin_age = C.RollingStats(2000)
         self.lin_time = C.RollingStats(2000)
         self.lin_worker = C.RollingStats(2000)   # of which the worker's own compute (the rest: transfer, tables)
+        self.holds = Counter()     # held cycles by cause: linearization (too old), node_states (stale), failed
         self.cycles = 0
         self.plate_error = (math.nan, math.nan)
 
@@ -276,7 +282,7 @@ class PlateControllerNode(C.GraphNode):
                 # a late next linearisation: continue this one with its frozen last-step model (bounded, see
                 # Linearization.expand) rather than hold; the float32 per-message table is the predictor's, not
                 # built here
-                lin.extend(self.N).tabulate_steps()    # the per-step tables, here and not in a cycle
+                lin.extend(self.ext_steps).tabulate_steps()    # the per-step tables, here and not in a cycle
                 self._lin = lin
                 self.lin_time.add(time.perf_counter() - t_start)
                 self.lin_worker.add(lin.compute_s)
@@ -298,6 +304,7 @@ class PlateControllerNode(C.GraphNode):
             why = "no linearisation yet" if lin is None else \
                 f"the latest linearisation ({st.stamp - lin.t0:.2f} s old) does not cover the horizon"
             res = self.mpc.hold(u_now, dt, Status.STALE, why + ": holding")
+            self.holds["linearization"] += 1
         else:
             x = self.core.measured_state(st.names, st.positions, st.velocities, st.valid)
             A, B = lin.step_jacobians(i0, self.N)
@@ -318,6 +325,8 @@ class PlateControllerNode(C.GraphNode):
                 self.solve.add(res.solve_s)
                 self.state_age.add(now - st.stamp)
                 self.lin_age.add(st.stamp - lin.t0)
+            else:
+                self.holds["node_states" if res.status is Status.STALE else res.status.value] += 1
         self.last, self.cycles = res, self.cycles + 1
         if res.error_now is not None:
             self.plate_error = (float(np.linalg.norm(res.error_now[:3])), float(np.abs(res.error_now[3:6]).max()))
@@ -352,7 +361,8 @@ class PlateControllerNode(C.GraphNode):
                 "parameter_set_id": self.set_id if self.p["model"] == "identified" else "nominal (model: nominal)",
                 "plate_error_mm": self.plate_error[0] * 1e3,
                 "plate_error_deg": math.degrees(self.plate_error[1]),
-                "limits_active": 0 if r is None else r.active_limits}
+                "limits_active": 0 if r is None else r.active_limits,
+                **{f"holds_{cause}": n for cause, n in sorted(self.holds.items())}}
         vals.update(self.solve.summary(1e3, "solve_ms_"))
         vals.update(self.lin_time.summary(1e3, "linearize_ms_"))
         vals.update(self.lin_worker.summary(1e3, "linearize_worker_ms_"))
