@@ -50,7 +50,8 @@ PARAMS = (
               "up to this long past its end (bounded by the nominal's own range of motion) before the plate "
               "holds [s]", range=(0.0, 10.0), read_only=True),
     ParamSpec("relinearize_period_s", 0.1, "shortest time between the starts of two linearisations [s] (each "
-              "costs ~0.15 s of a core alone, more under load)", range=(0.0, 10.0), read_only=True),
+              "costs ~0.11 s of a core alone with the default nominal, 0.2-0.3 s in the demo's control phases)",
+              range=(0.0, 10.0), read_only=True),
     ParamSpec("jac_stride", 10, "step Jacobians every n prediction steps, linear in between", range=(1, 100),
               read_only=True),
     ParamSpec("position_tol_m", 0.002, "plate position error that costs 1 per step [m]", range=(1e-5, 1.0)),

@@ -153,7 +153,7 @@ class Linearization:
         """Interpolate every step's A_k and B_k once (``AB64``, float64, contiguous), for a user that asks
         :meth:`step_jacobians` for many windows of the same linearisation: the controller, every cycle
         (interpolating its window anew each time was 4.5 ms of a 20-ms cycle, 2026-11-26). Costs the memory of
-        all K steps (14 MB for the controller's 150), so the predictor's long nominals do not do it."""
+        all K steps (7.9 MB for the controller's 80), so the predictor's long nominals do not do it."""
         if self.AB64 is None:
             J = self._per_step(np.float64)
             n = self.x.shape[1]
