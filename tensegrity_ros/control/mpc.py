@@ -654,8 +654,14 @@ class PlateMPC:
             Psi = A[k] @ Psi
             Psi[unit] += 1.0
         # truncated least squares: the bar-length constraints make some directions of d invisible (tiny
-        # singular values); the full pseudo-inverse blew the estimate up to 1e5 m/s along them
-        inc, *_ = np.linalg.lstsq(Psi[ok], e[ok], rcond=self.opt.disturbance_rcond)
+        # singular values); the full pseudo-inverse blew the estimate up to 1e5 m/s along them. Through the
+        # small normal matrix (cols x cols) rather than an SVD of the tall Psi: the same minimiser (singular
+        # values below rcond x the largest dropped = eigenvalues below rcond^2 x the largest), 0.6 -> ~0.2 ms
+        P = Psi[ok]
+        lam, V = np.linalg.eigh(P.T @ P)
+        keep = lam > self.opt.disturbance_rcond ** 2 * lam[-1]
+        Vk = V[:, keep]
+        inc = Vk @ ((Vk.T @ (P.T @ e[ok])) / lam[keep])
         self.dist[cols] += self.opt.disturbance_gain * inc
         return float(np.max(np.abs(e[ok])))
 
