@@ -656,7 +656,7 @@ class PlateMPC:
         # truncated least squares: the bar-length constraints make some directions of d invisible (tiny
         # singular values); the full pseudo-inverse blew the estimate up to 1e5 m/s along them. Through the
         # small normal matrix (cols x cols) rather than an SVD of the tall Psi: the same minimiser (singular
-        # values below rcond x the largest dropped = eigenvalues below rcond^2 x the largest), 0.6 -> ~0.2 ms
+        # values below rcond x the largest dropped = eigenvalues below rcond^2 x the largest): a cycle 6.02 -> 5.84 ms
         P = Psi[ok]
         lam, V = np.linalg.eigh(P.T @ P)
         keep = lam > self.opt.disturbance_rcond ** 2 * lam[-1]
