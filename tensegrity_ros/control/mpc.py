@@ -399,10 +399,9 @@ class PlateMPC:
         # each step's input term, for all steps at once: B_k [W_k,0 diag .. W_k,M-1 diag] (N, n, M nu) and its
         # constant part B_k ebar_k + d (N, n); then the recurrence is one (n, n) x (n, M nu) product per step
         # (this was a Python loop over the knots of each step with an np.any per knot: 4 ms of the 15-ms cycle,
-        # measured 2026-11-26). Written in place: the broadcast product and then its reshaped copy took 2-3x as long.
-        # Only the (step, block) pairs with a weight are written: a step's input depends on the two or three
-        # blocks its ramp runs between (without actuator_lag_s), and the dense broadcast product over all M blocks
-        # was a tenth of the cycle (0.8 of 7.6 ms alone, 2026-11-27)
+        # measured 2026-11-26). Only the (step, block) pairs with a weight are written: a step's input depends on
+        # the two or three blocks its ramp runs between (without actuator_lag_s), and the dense broadcast product
+        # over all M blocks, even written in place, was a tenth of the cycle (0.8 of 7.6 ms alone, 2026-11-27)
         used = np.any(Weff != 0.0, axis=2)                                            # (N, M)
         BW = np.zeros((N, n, M, nu))
         ks, bs = np.nonzero(used)
