@@ -81,6 +81,8 @@ class Setup:
     frame_hz: float = 120.0
     marker_noise_m: float = 3e-4
     state_latency_s: float = 0.005
+    state_latency_jitter_s: float = 0.0   # + uniform(0, this) on a share of the ticks (the graph's backlogs:
+    state_latency_jitter_share: float = 1.0   # node states 10-20 ms late p50, 150-250 ms p99, some later)
     plan_latency_s: float = 0.015
     tick_phase_s: float = 0.003
     lin_s: float = 0.1
@@ -139,7 +141,7 @@ def run(setup: Setup, verbose: bool = False):
     import torch
 
     from tensegrity_ros import frames as F
-    from tensegrity_ros.commands.demo_control import ControlTarget
+    from tensegrity_ros.commands.demo_control import ControlTarget, plan_violations
     from tensegrity_ros.control import MPCOptions, PlateMPC, PlateOutputMap, Status
     from tensegrity_ros.hardware.plan import Plan
     from tensegrity_ros.hardware.safety import clamp_goals, rate_limit
@@ -211,6 +213,8 @@ def run(setup: Setup, verbose: bool = False):
     lin_started = -math.inf                # when the latest linearisation started (lin_period_s)
     last_stamp = None
     errs, ang_errs, scored, n_hold, n_active, lin_ages, vel_err = [], [], [], 0, [], [], []
+    n_viol = 0
+    jitter_rng = np.random.default_rng(S.seed + 2)
 
     def command(t):
         """The goal at t: the driver's held goal, or (no driver) the node's plan itself."""
@@ -287,10 +291,12 @@ def run(setup: Setup, verbose: bool = False):
             continue
         # ---- the controller's cycle (plate_controller._cycle) ------------------------------------------
         motor_to(t)
-        avail = [st for st in states if st[0] <= t - lat_state + 1e-12]
+        late = lat_state + (jitter_rng.uniform(0.0, S.state_latency_jitter_s)
+                            if S.latency and jitter_rng.uniform() < S.state_latency_jitter_share else 0.0)
+        avail = [st for st in states if st[0] <= t - late + 1e-12]
         if not avail:
             continue
-        st = avail[-1]
+        st = avail[-1] if last_stamp is None or avail[-1][0] >= last_stamp else st   # never an older one
         if not S.lin_age:
             lin = linearize(st)
         u_now = node_plan.at([t], motors, u_rest)[0] if node_plan is not None else servo.pos.copy()
@@ -307,15 +313,16 @@ def run(setup: Setup, verbose: bool = False):
                 # the previous plan's commands until this plan reaches the driver (assumed latency)
                 k_app = min(max(int(math.ceil((t - st[0] + S.assumed_plan_latency_s) / dt - 1e-9)), 0), N - 1)
                 if k_app > 0:
-                    u_applied = node_plan.at(st[0] + dt * np.arange(k_app + 1), motors, u_now)
+                    u_applied = node_plan.at_grid(st[0], dt, k_app + 1, motors, u_now)
             res = mpc.solve(x, lin.xe[i0:], lin.ue[i0:], A, B, target_at(st[0] + dt * np.arange(N + 1)), u_now,
                             dt, age_s=t - st[0], elapsed_s=max(st[0] - last_stamp, 0.0) if last_stamp is not None
                             else 0.0, u_applied=u_applied)
             last_stamp = st[0]
         n_active.append(res.active_limits)
+        n_viol += plan_violations(res.step_plan, dt, lo, hi, mpc.opt.max_rate_rad_s)
         t_first = (st[0] if res.ok else t) + dt
-        times = t_first + dt * np.arange(-1, res.step_plan.shape[0])
-        node_plan = MotorPlan(times, motors, np.vstack([u_now[None], res.step_plan]), t)
+        start = u_applied[0] if res.ok and u_applied is not None else u_now
+        node_plan = MotorPlan.on_grid(t_first - dt, dt, motors, np.vstack([start[None], res.step_plan]), t)
         pending.append((t + lat_plan, Plan(t_first + dt * np.arange(res.step_plan.shape[0]), res.step_plan, t),
                         node_plan))
         if lat_plan == 0:
@@ -333,7 +340,7 @@ def run(setup: Setup, verbose: bool = False):
     e = np.array(errs)[np.array(scored)] * 1e3
     half = e[len(e) // 2:]
     return {"rmse_mm": float(np.sqrt(np.mean(e ** 2))), "last_half_mm": float(np.sqrt(np.mean(half ** 2))),
-            "max_mm": float(e.max()), "holds": n_hold,
+            "max_mm": float(e.max()), "holds": n_hold, "violations": n_viol,
             "angle_rmse_deg": float(np.degrees(np.sqrt(np.mean(np.array(ang_errs)[np.array(scored)] ** 2)))),
             "active_frac": float(np.mean(np.array(n_active)[np.array(scored)] > 0)),
             "active_mean": float(np.mean(np.array(n_active)[np.array(scored)])),
@@ -362,7 +369,7 @@ def main(argv=None):
         print(f"| {v} | {a.model_error:g} | {a.mpc if a.mpc != '{}' else ''} {a.set if a.set != '{}' else ''} | "
               f"{r['rmse_mm']:.1f} | {r['last_half_mm']:.1f} | {r['max_mm']:.1f} | {r['angle_rmse_deg']:.2f} deg | "
               f"{100 * r['active_frac']:.0f} % ({r['active_mean']:.0f}) | {r['holds']} | {r['lin_age_ms']:.0f} | "
-              f"{r['vel_err_rel']:.2f} | {r['wall_s']:.0f} s |", flush=True)
+              f"{r['vel_err_rel']:.2f} | viol {r['violations']} | {r['wall_s']:.0f} s |", flush=True)
 
 
 if __name__ == "__main__":

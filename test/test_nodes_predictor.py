@@ -92,6 +92,27 @@ def test_motor_future_sources():
         MotorFuture(["m1"], "reference", None)
 
 
+def test_motor_plan_grid_sampling_keeps_the_rate_at_clock_seconds():
+    """The controller re-samples its previous plan from each new state's stamp (keep_applied). At clock seconds
+    (~1.8e9, rounded to 2.4e-7 s) sampling a plan that sits on its 1-rad/s limit at rounded absolute times made
+    steps up to 2e-5 faster than the limit, which the controller demo counted as plan violations (385-444 per
+    phase in the graph); sampled on the grid relative to the plan's start, none."""
+    from tensegrity_ros.commands.demo_control import plan_violations
+
+    dt, names, rng = 0.01, ("a", "b"), np.random.default_rng(0)
+    rounded = on_grid = 0
+    for _ in range(50):
+        t0 = 1.7957e9 + rng.uniform(0.0, 1e4)
+        angles = dt * np.arange(51)[:, None] * np.array([[1.0, -1.0]])         # both motors on the limit
+        ts = t0 + rng.uniform(0.0, 0.2)
+        old = MotorPlan(t0 + dt * np.arange(51), names, angles).at(ts + dt * np.arange(20), names, np.zeros(2))
+        new = MotorPlan.on_grid(t0, dt, names, angles).at_grid(ts, dt, 20, names, np.zeros(2))
+        np.testing.assert_allclose(new, old, atol=1e-6)                          # the same angles ...
+        rounded += plan_violations(old, dt, -np.ones(2), np.ones(2), 1.0) > 0
+        on_grid += plan_violations(new, dt, -np.ones(2), np.ones(2), 1.0) > 0
+    assert rounded > 25 and on_grid == 0                                         # ... without the rounding
+
+
 @pytest.mark.parametrize("nominal", ["twin", "engine"])
 def test_linearised_horizon_matches_the_twin(twin_run, nominal):
     s, hist = twin_run

@@ -64,11 +64,11 @@ PARAMS = (
               choices=DISTURBANCES, read_only=True),
     ParamSpec("input_model", "ramp", "motor motion between plan knots: ramp | hold", choices=("ramp", "hold"),
               read_only=True),
-    ParamSpec("rate_scale_rad_s", 2.0, "a plan knot-to-knot speed that costs 1 (smoothness of the plans) [rad/s]",
+    ParamSpec("rate_scale_rad_s", 0.5, "a plan knot-to-knot speed that costs 1 (smoothness of the plans) [rad/s]",
               range=(1e-3, 100.0), read_only=True),
     ParamSpec("actuator_lag_s", 0.0, "the servos' first-order lag behind the goal, modelled by the MPC [s] (0: "
               "none; the emulated bus's is sim_robot's motor_time_constant_s)", range=(0.0, 1.0), read_only=True),
-    ParamSpec("keep_applied", False, "keep the previous plan's commands from the state's stamp until the new plan "
+    ParamSpec("keep_applied", True, "keep the previous plan's commands from the state's stamp until the new plan "
               "reaches the driver (now + plan_latency_s) and ramp on from them", read_only=True),
     ParamSpec("plan_latency_s", 0.02, "expected time from a cycle's tick until its plan reaches the driver (solve, "
               "DDS) [s] (keep_applied)", range=(0.0, 0.5)),
@@ -300,6 +300,7 @@ class PlateControllerNode(C.GraphNode):
         if u_now is None:
             return
         dt = self.core.dt
+        applied = None
         i0 = int(round((st.stamp - lin.t0) / dt)) if lin is not None else -1
         if lin is None or i0 < 0 or i0 + self.N > lin.steps + lin.ext_steps:
             why = "no linearisation yet" if lin is None else \
@@ -312,13 +313,12 @@ class PlateControllerNode(C.GraphNode):
             if traj is not None:                    # the target at the horizon's steps (k dt after the state)
                 target = traj.sample(st.stamp + dt * np.arange(self.N + 1))
             elapsed = st.stamp - self._last_stamp if self._last_stamp is not None else 0.0
-            applied = None
             if self.p["keep_applied"] and self._plan is not None:
                 # the plan starts at the state's stamp, but the driver follows the previous plan until this one
                 # arrives (now + plan_latency_s): those commands are fixed, the new plan ramps on from them
                 k = min(max(int(math.ceil((now - st.stamp + self.p["plan_latency_s"]) / dt - 1e-9)), 0), self.N - 1)
                 if k > 0:
-                    applied = self._plan.at(st.stamp + dt * np.arange(k + 1), self.motor_names, u_now)
+                    applied = self._plan.at_grid(st.stamp, dt, k + 1, self.motor_names, u_now)
             res = self.mpc.solve(x, lin.xe[i0:], lin.ue[i0:], A, B, target, u_now, dt, age_s=now - st.stamp,
                                  elapsed_s=max(elapsed, 0.0), u_applied=applied)
             self._last_stamp = st.stamp
@@ -332,9 +332,12 @@ class PlateControllerNode(C.GraphNode):
         if res.error_now is not None:
             self.plate_error = (float(np.linalg.norm(res.error_now[:3])), float(np.abs(res.error_now[3:6]).max()))
         t_first = (st.stamp if res.ok else now) + dt     # step_plan[k]: the angle at t_first + k dt
-        # kept with its start (the present command at t_first - dt: where the ramp begins) for _command_now
-        times = t_first + dt * np.arange(-1, res.step_plan.shape[0])
-        self._plan = MotorPlan(times, self.motor_names, np.vstack([u_now[None], res.step_plan]), now)
+        # kept with its start for _command_now: where the ramp begins at t_first - dt, the present command, or
+        # with the applied commands (keep_applied) the one at the state's stamp: with u_now there, the kept plan
+        # jumped by the state's age times the motors' speed in its first step
+        start = applied[0] if res.ok and applied is not None else u_now
+        self._plan = MotorPlan.on_grid(t_first - dt, dt, self.motor_names, np.vstack([start[None], res.step_plan]),
+                                       now)
         self.pub.publish(self._plan_msg(t_first, res.step_plan))
 
     def _plan_msg(self, t0: float, angles: np.ndarray):

@@ -135,6 +135,16 @@ class MotorPlan:
     names: Tuple[str, ...]
     angles: np.ndarray
     received: float = 0.0
+    #: the times relative to times[0], exactly ``dt`` apart when the plan was built on a grid (:meth:`on_grid`);
+    #: None: times - times[0]
+    offsets: Optional[np.ndarray] = None
+
+    @classmethod
+    def on_grid(cls, t0: float, dt: float, names: Sequence[str], angles, received: float = 0.0) -> "MotorPlan":
+        """Angles (K, A) at t0, t0 + dt, ...: :meth:`at_grid` samples it without the rounding of absolute times."""
+        a = np.asarray(angles, dtype=float)
+        off = dt * np.arange(a.shape[0])
+        return cls(t0 + off, tuple(names), a, received, off)
 
     @classmethod
     def from_flat(cls, t0: float, dt: float, names: Sequence[str], flat, received: float = 0.0) -> "MotorPlan":
@@ -146,6 +156,20 @@ class MotorPlan:
             raise ValueError(f"{pos.size} positions for {A} names (need K x A)")
         K = pos.size // A
         return cls(t0 + dt * np.arange(K), tuple(names), pos.reshape(K, A), received)
+
+    def at_grid(self, t_start: float, dt: float, count: int, motor_names: Sequence[str],
+                fallback: np.ndarray) -> np.ndarray:
+        """:meth:`at` at t_start + dt * arange(count), computed relative to the plan's first time. Why: clock
+        seconds (~1.8e9) are rounded to 2.4e-7 s each, 2e-5 of a 10-ms step, so a plan on its rate limit
+        sampled at rounded absolute times came out up to 2e-5 faster than the limit (counted as violations by
+        ``tensegrity demo --controller``); the offset between the two grids is one exact subtraction."""
+        rel = (float(t_start) - float(self.times[0])) + dt * np.arange(int(count))
+        knots = self.offsets if self.offsets is not None else self.times - self.times[0]
+        out = np.repeat(np.asarray(fallback, dtype=float)[None, :], rel.size, axis=0)
+        for j, n in enumerate(motor_names):
+            if n in self.names:
+                out[:, j] = np.interp(rel, knots, self.angles[:, self.names.index(n)])
+        return out
 
     def at(self, times, motor_names: Sequence[str], fallback: np.ndarray) -> np.ndarray:
         """(T, A) angles in ``motor_names`` order; linear interpolation, held before/after the plan;
