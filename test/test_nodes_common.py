@@ -155,6 +155,37 @@ def test_lean_node_leaves_out_qos_event_handlers_only_when_asked(rclpy_context):
     assert all(n > 0 for n in counts[True]), counts
 
 
+def test_a_latest_reader_takes_the_newest_of_a_backlog(rclpy_context):
+    """LATEST_QOS (the plate controller's node states): of a backlog published on the graph's deep reliable
+    stream while the executor was busy, one wake takes the newest message, not the oldest of a queue."""
+    import time
+
+    from rclpy.executors import SingleThreadedExecutor
+    from std_msgs.msg import Int32
+
+    node = _Demo(unique_name("latest"), context=rclpy_context, qos_events=False)
+    got = []
+    topic = f"/{unique_name('latest_test')}"
+    node.subscribe(Int32, topic, lambda m: got.append(m.data), C.LATEST_QOS, info=False)
+    pub = node.create_publisher(Int32, topic, C.STREAM_QOS)
+    ex = SingleThreadedExecutor(context=rclpy_context)
+    ex.add_node(node)
+    try:
+        deadline = time.monotonic() + 5.0
+        while pub.get_subscription_count() < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for i in range(20):
+            pub.publish(Int32(data=i))
+        time.sleep(0.2)
+        while not got and time.monotonic() < deadline:
+            ex.spin_once(timeout_sec=0.1)
+        ex.spin_once(timeout_sec=0.1)                   # nothing else is queued
+        assert got == [19], got
+    finally:
+        ex.shutdown()
+        node.destroy_node()
+
+
 def test_sequence_monitor_counts_gaps_and_restarts():
     m = C.SequenceMonitor()
     for s in (1, 2, 3, 6, 7):

@@ -36,13 +36,14 @@ from .params import (Check, ParameterError, ParamSpec, check_changes, declare_pa
                      positive, required_file, spec_table, transform_from_list, transform_list)
 from .records import JointRecord, NodeStatesRecord, Prediction
 from .stats import RateMeter, RollingStats, SequenceMonitor
-from .topics import (DIAG_QOS, LATCHED_QOS, PREDICTION_QOS, QOS_RELIABILITIES, SENSOR_DEPTH, SENSOR_QOS,
-                     SENSOR_READER_QOS, STREAM_DEPTH, STREAM_QOS, STREAM_QOS_BEST_EFFORT, TOPICS, sensor_qos,
-                     sensor_qos_params, stream_qos)
+from .topics import (DIAG_QOS, LATCHED_QOS, LATEST_QOS, PREDICTION_QOS, QOS_RELIABILITIES, SENSOR_DEPTH,
+                     SENSOR_QOS, SENSOR_READER_QOS, STREAM_DEPTH, STREAM_QOS, STREAM_QOS_BEST_EFFORT, TOPICS,
+                     sensor_qos, sensor_qos_params, stream_qos)
 
 __all__ = [
     # topics
-    "TOPICS", "STREAM_DEPTH", "STREAM_QOS", "STREAM_QOS_BEST_EFFORT", "PREDICTION_QOS", "LATCHED_QOS", "DIAG_QOS",
+    "TOPICS", "STREAM_DEPTH", "STREAM_QOS", "STREAM_QOS_BEST_EFFORT", "PREDICTION_QOS", "LATCHED_QOS", "LATEST_QOS",
+    "DIAG_QOS",
     "SENSOR_DEPTH", "SENSOR_QOS", "SENSOR_READER_QOS", "QOS_RELIABILITIES", "stream_qos", "sensor_qos",
     "sensor_qos_params",
     # params

@@ -146,8 +146,10 @@ class PlateControllerNode(C.GraphNode):
         self.cycles = 0
         self.plate_error = (math.nan, math.nan)
 
-        self.subscribe(NodeStates, C.TOPICS["node_states"], self._on_states, C.STREAM_QOS, info=False)
-        self.subscribe(JointState, C.TOPICS["motor_states"], self._on_motors, C.SENSOR_READER_QOS, info=False)
+        # serialised, decoded with numpy (nodes/cdr.py), and only the newest node state: a cycle uses the latest
+        self.subscribe(NodeStates, C.TOPICS["node_states"], self._on_states, C.LATEST_QOS, raw=True, info=False)
+        self.subscribe(JointState, C.TOPICS["motor_states"], self._on_motors, C.SENSOR_READER_QOS, raw=True,
+                       info=False)
         self.subscribe(IdentifiedParameters, C.TOPICS["identified_parameters"], self._on_params, C.LATCHED_QOS,
                        info=False)
         from geometry_msgs.msg import PoseArray
@@ -174,14 +176,14 @@ class PlateControllerNode(C.GraphNode):
         self.every(p["diagnostics_period_s"], self._diagnostics)
 
     # ---- inputs -----------------------------------------------------------------------------------------
-    def _on_states(self, msg) -> None:
-        rec = C.node_states_from_msg(msg)
+    def _on_states(self, data: bytes) -> None:
+        rec = C.node_states_from_cdr(data)
         with self._lock:
             self._state = rec
         self._wake.set()
 
-    def _on_motors(self, msg) -> None:
-        r = C.joint_state_from_msg(msg)
+    def _on_motors(self, data: bytes) -> None:
+        r = C.joint_state_from_cdr(data)
         idx = {n: i for i, n in enumerate(r.names)}
         if all(n in idx for n in self.motor_names):
             self._angles = np.array([r.position[idx[n]] for n in self.motor_names])

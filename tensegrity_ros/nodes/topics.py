@@ -46,6 +46,9 @@ STREAM_QOS = _qos(STREAM_DEPTH)
 #: the same depth, best effort: for mocap drivers that publish best effort (a reliable reader would not
 #: match them); drops are still counted from sequence numbers.
 STREAM_QOS_BEST_EFFORT = _qos(STREAM_DEPTH, reliable=False)
+#: a reader that acts on the newest message only (the plate controller's node states): reliable, keep last 1, so
+#: after the executor ran late it takes the newest state, not the oldest of a queue it would drain one per wake
+LATEST_QOS = _qos(1)
 #: predictions (large messages): reliable, shorter queue
 PREDICTION_QOS = _qos(32)
 #: identified parameter sets: reliable and latched (a late subscriber gets the recent sets, the last one current)
