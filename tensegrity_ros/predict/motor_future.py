@@ -154,8 +154,7 @@ class MotorPlan:
         pos = np.asarray(flat, dtype=float)
         if A == 0 or pos.size == 0 or pos.size % A:
             raise ValueError(f"{pos.size} positions for {A} names (need K x A)")
-        K = pos.size // A
-        return cls(t0 + dt * np.arange(K), tuple(names), pos.reshape(K, A), received)
+        return cls.on_grid(t0, dt, names, pos.reshape(pos.size // A, A), received)
 
     def at_grid(self, t_start: float, dt: float, count: int, motor_names: Sequence[str],
                 fallback: np.ndarray) -> np.ndarray:
@@ -165,21 +164,20 @@ class MotorPlan:
         ``tensegrity demo --controller``); the offset between the two grids is one exact subtraction."""
         rel = (float(t_start) - float(self.times[0])) + dt * np.arange(int(count))
         knots = self.offsets if self.offsets is not None else self.times - self.times[0]
-        out = np.repeat(np.asarray(fallback, dtype=float)[None, :], rel.size, axis=0)
-        for j, n in enumerate(motor_names):
-            if n in self.names:
-                out[:, j] = np.interp(rel, knots, self.angles[:, self.names.index(n)])
-        return out
+        return self._sample(rel, knots, motor_names, fallback)
 
     def at(self, times, motor_names: Sequence[str], fallback: np.ndarray) -> np.ndarray:
         """(T, A) angles in ``motor_names`` order; linear interpolation, held before/after the plan;
         motors not in the plan take ``fallback`` (A,)."""
-        times = np.asarray(times, dtype=float).reshape(-1)
-        out = np.repeat(np.asarray(fallback, dtype=float)[None, :], times.size, axis=0)
+        return self._sample(np.asarray(times, dtype=float).reshape(-1), self.times, motor_names, fallback)
+
+    def _sample(self, x: np.ndarray, knots: np.ndarray, motor_names: Sequence[str], fallback) -> np.ndarray:
+        """(len(x), A): each named motor's angles interpolated at ``x`` on ``knots`` (the plan's times or offsets),
+        the others ``fallback``."""
+        out = np.repeat(np.asarray(fallback, dtype=float)[None, :], x.size, axis=0)
         for j, n in enumerate(motor_names):
             if n in self.names:
-                c = self.names.index(n)
-                out[:, j] = np.interp(times, self.times, self.angles[:, c])
+                out[:, j] = np.interp(x, knots, self.angles[:, self.names.index(n)])
         return out
 
 
