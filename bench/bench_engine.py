@@ -40,8 +40,10 @@ from tensegrity_ros.model import load_structure  # noqa: E402
 DT = 1e-3
 #: structure -> integrators measured; the first is the headline (top-level keys), the others nest under their name
 STRUCTURES = {"icosahedron": ("semi_implicit",), "stacked_manipulator": ("semi_implicit", "implicit")}
-#: compiled path: run big batches in pieces of this size (measured: the manipulator's working set at 1024 spills
-#: the cache; 128 is ~1.8x faster per item here); None: whole batch
+#: compiled path without gradients: run big batches in pieces of this size (measured: the manipulator's working
+#: set at 1024 spills the cache; 128 is ~1.8x faster per item here); None: whole batch. Not with gradients: each
+#: piece then keeps an autograd graph of its own, and whole batches were faster (2026-11-27, manipulator at 1024:
+#: 85-106 k item-steps/s whole, 58 k in pieces of 128, eager 32-37 k)
 SUB_BATCH = {"icosahedron": None, "stacked_manipulator": 128}
 #: not measured unless asked for: the manipulator's implicit step compiled with its backward (first call 653 s at
 #: batch 1 on this 2-core machine, 2026-11-26, and 234 item-steps/s against eager's 433), and its 8-step chunk.
@@ -180,7 +182,8 @@ def run(structures=tuple(STRUCTURES), batches=(1, 64, 1024), grads=(False, True)
                         steps = 20
                     if not comp and B >= 1024:
                         steps = 10
-                    rate, warm = engine_rate(eng, B, steps, comp, grad, sub_batch=SUB_BATCH.get(name))
+                    rate, warm = engine_rate(eng, B, steps, comp, grad,
+                                             sub_batch=None if grad else SUB_BATCH.get(name))
                     key = f"{'compiled' if comp else 'eager'}_{'grad' if grad else 'nograd'}_b{B}"
                     r["engine"][key] = {"steps_per_s": rate, "warmup_s": warm}
                     log(f"{tag:34s} {key:26s} {rate:12.0f} item-steps/s   (first call {warm:.1f} s)")

@@ -61,6 +61,11 @@ def _gather_form(M: np.ndarray):
     return idx, w
 
 
+#: the constant matrices in gather form (``NodalConstants.*_i`` / ``*_w``), each with the name of its transpose
+GATHER_TRANSPOSE = {"Cst": "Cs_q", "Cs_q": "Cst", "Cbt": "Cb_q", "Cb_q": "Cbt", "G": "Gt", "Gt": "G", "Tt": "T",
+                    "T": "Tt"}
+
+
 @register_tensor_dataclass
 @dataclass(frozen=True)
 class NodalConstants:
@@ -74,7 +79,8 @@ class NodalConstants:
     WqT: (n_bars, n_free); gravity: (3,) m/s^2; bar_nodes: (n_bars, 2) long; bar_lengths: (n_bars,) m;
     seg_nodes: (n_seg, 2) long; E: (n_bars, N, N); W: (N, n_bars).
     ``*_i`` / ``*_w``: the same constant matrices in gather form: for ``X @ M``, output column o is
-    sum_k w[o, k] X[..., i[o, k]] (padded with zero weights).
+    sum_k w[o, k] X[..., i[o, k]] (padded with zero weights); each one's transpose is in gather form too
+    (:data:`GATHER_TRANSPOSE`), so a gather's derivative is a gather, not a scatter.
     """
 
     T: torch.Tensor
@@ -113,6 +119,10 @@ class NodalConstants:
     Gt_w: torch.Tensor
     Tt_i: torch.Tensor
     Tt_w: torch.Tensor
+    Cb_q_i: torch.Tensor
+    Cb_q_w: torch.Tensor
+    T_i: torch.Tensor
+    T_w: torch.Tensor
 
     @staticmethod
     def build(top: Topology, dtype=torch.float64, device=None) -> "NodalConstants":
@@ -120,7 +130,7 @@ class NodalConstants:
         t = lambda x: as_tensor(np.ascontiguousarray(x), dtype, device)  # noqa: E731
         sparse = {}
         for name, M in (("Cst", top.Cs_q.T), ("Cs_q", top.Cs_q), ("Cbt", top.Cb_q[act].T), ("G", top.G),
-                        ("Gt", top.G.T), ("Tt", top.T.T)):
+                        ("Gt", top.G.T), ("Tt", top.T.T), ("Cb_q", top.Cb_q[act]), ("T", top.T)):
             i, w = _gather_form(M)
             sparse[name + "_i"], sparse[name + "_w"] = t(i), t(w)
         return NodalConstants(**sparse,

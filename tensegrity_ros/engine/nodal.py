@@ -424,7 +424,8 @@ class NodalEngine:
         per compiled call (chunk > 1 cuts the per-call overhead at small batches but compiles a bigger graph;
         every distinct (chunk, batch, dtype) compiles once). Same results (float64: 1e-12), differentiable.
         ``sub_batch``: run a large batch in pieces of at most this size (faster when a piece's working set fits
-        the cache; e.g. 128 for the 36-node manipulator on this CPU).
+        the cache; e.g. 128 for the 36-node manipulator on this CPU, without gradients: with them each piece keeps
+        an autograd graph of its own and whole batches were faster, docs/engine.md).
         """
         if not compile:
             return rollout(self.constants, params, state0, inputs, dt, self.integrator, self.options, steps)
