@@ -86,6 +86,15 @@ def engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_
     return B * steps / sec, warm
 
 
+def compiled_over_eager(engine: dict) -> dict:
+    """{"grad_b1024": compiled / eager item-steps per second, ...} for every case measured both ways."""
+    out = {}
+    for key, v in engine.items():
+        if key.startswith("compiled_") and "eager_" + key[len("compiled_"):] in engine:
+            out[key[len("compiled_"):]] = v["steps_per_s"] / engine["eager_" + key[len("compiled_"):]]["steps_per_s"]
+    return out
+
+
 def _mujoco_rates(structure, steps=2000, batch=64, rollout_steps=500):
     import mujoco
     from mujoco import rollout as mjr
@@ -215,6 +224,12 @@ def run(structures=tuple(STRUCTURES), batches=(1, 64, 1024), grads=(False, True)
             r["engine_b1024_steps_per_s"] = max(b1024)
             r["ratio_b1024_vs_rollout"] = max(b1024) / mj_roll
             log(f"{tag:34s} batch 1024 / MuJoCo rollout = {r['ratio_b1024_vs_rollout']:.1f}x")
+        r["compiled_over_eager"] = compiled_over_eager(r["engine"])
+        if r["compiled_over_eager"]:
+            worst = min(r["compiled_over_eager"], key=r["compiled_over_eager"].get)
+            r["compiled_over_eager_min"] = r["compiled_over_eager"][worst]
+            log(f"{tag:34s} compiled / eager: slowest case {worst} {r['compiled_over_eager_min']:.2f}x "
+                "(issue 20: never slower than eager)")
         if agreement:
             r["agreement"] = _agreement(name, s, integ)
             r["max_abs_error_vs_mujoco_mm"] = min(v["max_mm"] for v in r["agreement"].values())
