@@ -90,8 +90,9 @@ def compiled_over_eager(engine: dict) -> dict:
     """{"grad_b1024": compiled / eager item-steps per second, ...} for every case measured both ways."""
     out = {}
     for key, v in engine.items():
-        if key.startswith("compiled_") and "eager_" + key[len("compiled_"):] in engine:
-            out[key[len("compiled_"):]] = v["steps_per_s"] / engine["eager_" + key[len("compiled_"):]]["steps_per_s"]
+        case = key[len("compiled_"):]
+        if key.startswith("compiled_") and "eager_" + case in engine:
+            out[case] = v["steps_per_s"] / engine["eager_" + case]["steps_per_s"]
     return out
 
 

@@ -55,23 +55,18 @@ class _ConstantProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         idx_t, w_t = ctx.saved_tensors
-        return _constant_product(g, idx_t, w_t, None, None), None, None, None, None
-
-
-def _constant_product(X, idx, w, idx_t, w_t):
-    """X (..., k_in, B) @ M, M in gather form (idx, w), its transpose (idx_t, w_t): None when no derivative is
-    needed (the derivative's own products). Without a backward pass to serve (no grad, or forward-mode AD) the
-    plain gather: no custom ``jvp`` (dynamo cannot trace one)."""
-    if idx_t is None or not (torch.is_grad_enabled() and X.requires_grad):
-        return _gather(X, idx, w)
-    return _ConstantProduct.apply(X, idx, w, idx_t, w_t)
+        return _gather(g, idx_t, w_t), None, None, None, None
 
 
 def _product(X: torch.Tensor, c: NodalConstants, name: str) -> torch.Tensor:
-    """X @ (the constant matrix ``name`` of c) in gather form, differentiated through its transpose's."""
+    """X (..., k_in, B) @ (the constant matrix ``name`` of c) in gather form, differentiated through its
+    transpose's (:class:`_ConstantProduct`) when a backward pass needs it. Otherwise (no grad, or forward-mode AD)
+    the plain gather: no custom ``jvp`` (dynamo cannot trace one)."""
+    idx, w = getattr(c, name + "_i"), getattr(c, name + "_w")
+    if not (torch.is_grad_enabled() and X.requires_grad):
+        return _gather(X, idx, w)
     t = laws.GATHER_TRANSPOSE[name]
-    return _constant_product(X, getattr(c, name + "_i"), getattr(c, name + "_w"), getattr(c, t + "_i"),
-                             getattr(c, t + "_w"))
+    return _ConstantProduct.apply(X, idx, w, getattr(c, t + "_i"), getattr(c, t + "_w"))
 
 
 def _bmm(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
@@ -94,7 +89,7 @@ class _Inverse(torch.autograd.Function):
 
     @staticmethod
     def forward(A: torch.Tensor) -> torch.Tensor:
-        return _gauss_jordan(A).contiguous()     # not a view of the working matrix (forward-mode AD needs that)
+        return _gauss_jordan(A).contiguous()     # saved for backward: not a view keeping (n, 2n, B) alive
 
     @staticmethod
     def setup_context(ctx, inputs, output):
