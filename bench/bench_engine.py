@@ -69,6 +69,8 @@ def engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_
     s0 = eng.project(p, s0)
 
     kw = dict(sub_batch=sub_batch) if compile else {}
+    # CUDA runs asynchronously: a timing ends when the device is done, not when the Python call returns
+    sync = torch.cuda.synchronize if s0.positions.is_cuda else (lambda: None)
 
     def once():
         if grad:
@@ -78,6 +80,7 @@ def engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_
         else:
             with torch.no_grad():
                 eng.rollout(p, s0, None, DT, steps=steps, compile=compile, chunk=chunk, **kw)
+        sync()
 
     t0 = time.perf_counter()
     once()  # warm-up (compiles)

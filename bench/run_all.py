@@ -7,7 +7,7 @@ prints a one-screen summary of the headline figures next to their targets, and w
 Exit status, like ``tensegrity demo``'s: 0 when every headline target is met, 3 when one is missed (the last line
 names them; every figure is still printed and written), 1 when a bench failed to run.
 
-    python bench/run_all.py [--quick] [--only engine,hardware,identification,graph,generality,control,sysid,scaling]
+    python bench/run_all.py [--quick] [--only engine,hardware,identification,graph,generality,control,sysid,scaling,gpu]
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ BENCHES = {
     "control": ("bench_control", {"ident_s": 60.0}, {"ident_s": 40.0}),
     "sysid": ("bench_sysid_baseline", {"quick": False}, {"quick": True}),
     "scaling": ("bench_scaling", {"quick": False}, {"quick": True}),
+    "gpu": ("bench_gpu", {}, {"parts": ("engine",)}),     # measures nothing (and says so) without CUDA
 }
 
 #: (bench, json path, label, target text, check) — the headline figures.
@@ -94,6 +95,11 @@ HEADLINES = [
      lambda v: True),
     ("scaling", "engine.stacked_manipulator.fit.saturation_batch", "engine (eager): batch where throughput saturates",
      "(fit)", lambda v: True),
+    ("gpu", "engine_top_batch_min_steps_per_s", "GPU: engine b65536, slowest structure [steps/s]",
+     ">= 5e7", lambda v: v >= 5e7),
+    ("gpu", "identify.cuda.real_time_factor", "GPU: identify 16-s bag on cuda, wall / recording", "<= 1",
+     lambda v: v <= 1),
+    ("gpu", "identify.cpu.real_time_factor", "GPU machine: identify on its CPU, wall / recording", "(paired)", lambda v: True),
 ]
 
 

@@ -1,0 +1,213 @@
+"""The GPU path, measured (issue 20 item 4): the engine's throughput on CUDA up to batch 65 536, beside
+``mujoco.rollout`` on the same machine's CPU cores, and ``tensegrity identify`` on the README's 16-s manipulator bag
+with ``--device cuda`` and ``--device cpu`` on the same machine, with each run's error against the truth.
+
+    python bench/bench_gpu.py                       # both parts (on a machine with CUDA; else it says so, exit 0)
+    python bench/bench_gpu.py --only engine         # or identify
+    python bench/bench_gpu.py --bag DIR             # identify this bag (its true_model.yaml beside it) instead of
+                                                    # simulating the README's one (which needs MuJoCo)
+
+Without CUDA, ``run()`` returns ``{"cuda": false, ...}`` and measures nothing: `make bench` then prints the GPU
+headlines as not measured. Writes build/bench/gpu.json after every measurement, so a run cut short keeps what it
+measured (``--out`` moves it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+import numpy as np
+import torch
+
+from tensegrity_ros.paths import CONFIG_DIR, REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+
+from bench_engine import DT, _mujoco_rates, engine_rate  # noqa: E402  (the engine bench's own measurements)
+from benchlib import run_cli  # noqa: E402
+
+from tensegrity_ros.engine import make_engine, params_from_structure  # noqa: E402
+from tensegrity_ros.model import load_structure  # noqa: E402
+from tensegrity_ros.param_names import kind_of  # noqa: E402
+
+OUT = REPO_ROOT / "build" / "bench" / "gpu.json"
+MODEL = CONFIG_DIR / "models" / "stacked_manipulator.yaml"
+#: structure -> integrators measured on CUDA (the engine bench's headline integrators, plus the manipulator's
+#: implicit step, which `identify` uses)
+STRUCTURES = {"icosahedron": ("semi_implicit",), "stacked_manipulator": ("semi_implicit", "implicit")}
+BATCHES = (1, 1024, 8192, 65536)
+#: the compiled path and the gradients are measured at these batches only (each batch size is one compile)
+COMPILED_BATCHES = (65536,)
+GRAD_BATCHES = (1024, 65536)
+#: issue 20 item 4's goal for the engine at batch 65 536 on a GPU
+GOAL_B65K = 50e6
+
+
+def _log(*a):
+    print(*a, flush=True)
+
+
+def device_info() -> Dict[str, Any]:
+    p = torch.cuda.get_device_properties(0)
+    return {"name": p.name, "multiprocessors": p.multi_processor_count, "memory_gib": p.total_memory / 2 ** 30,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "cpu_count": os.cpu_count()}
+
+
+def engine_part(res: Dict[str, Any], save, structures=tuple(STRUCTURES), batches=BATCHES,
+                compiled_batches=COMPILED_BATCHES, grad_batches=GRAD_BATCHES, device: str = "cuda") -> None:
+    """Item-steps per second on ``device``, float32, 20 steps per rollout (10 with gradients at 65 536, for
+    memory). Eager first, then MuJoCo on the CPU cores, then the compiled path (its compiles take longest), so that
+    a run cut short keeps the most; a case that fails is recorded with its error and the others go on."""
+    from tensegrity_ros.engine import setup_compile
+    setup_compile(recompile_limit=256)
+    eng_res = res.setdefault("engine", {})
+    errors = res.setdefault("engine_errors", {})
+
+    def measure(comp: bool):
+        for name in structures:
+            for integ in STRUCTURES[name]:
+                if comp and integ == "implicit":       # its compile takes minutes per shape: not here
+                    continue
+                eng = make_engine(load_structure(CONFIG_DIR / "models" / f"{name}.yaml"), "nodal", integ,
+                                  dtype=torch.float32, device=device)
+                for grad in (False, True):
+                    for B in batches:
+                        if (comp and B not in compiled_batches) or (grad and B not in grad_batches):
+                            continue
+                        key = f"{'compiled' if comp else 'eager'}_{'grad' if grad else 'nograd'}_b{B}"
+                        tag = f"{name}/{integ}"
+                        try:
+                            rate, warm = engine_rate(eng, B, 10 if grad and B >= 65536 else 20, comp, grad)
+                        except Exception as err:  # noqa: BLE001 - record it, measure the rest
+                            errors[f"{tag}/{key}"] = f"{type(err).__name__}: {err}"[:500]
+                            _log(f"{device:5s} {tag:34s} {key:26s} FAILED: {errors[f'{tag}/{key}']}")
+                            continue
+                        finally:
+                            save()
+                        eng_res.setdefault(tag, {})[key] = {"steps_per_s": rate, "warmup_s": warm}
+                        _log(f"{device:5s} {tag:34s} {key:26s} {rate:14.0f} item-steps/s   (first call {warm:.1f} s)")
+                        save()
+
+    def best(name: str, suffix: str = "") -> Optional[float]:
+        rates = [v["steps_per_s"] for k, v in eng_res.get(f"{name}/{STRUCTURES[name][0]}", {}).items()
+                 if "nograd" in k and k.endswith(suffix)]
+        return max(rates) if rates else None
+
+    measure(comp=False)
+    mujoco = {}
+    for name in structures:
+        _, mujoco[name], nthread = _mujoco_rates(load_structure(CONFIG_DIR / "models" / f"{name}.yaml"))
+        res.setdefault("mujoco_rollout", {})[name] = {"steps_per_s": mujoco[name], "nthread": nthread}
+        _log(f"cpu   {name:34s} mujoco.rollout (nthread={nthread}) {mujoco[name]:12.0f} item-steps/s")
+        save()
+    measure(comp=True)
+    top = max(batches)
+    for name in structures:
+        b = best(name)
+        res.setdefault("ratio_vs_rollout", {})[name] = b / mujoco[name]
+        _log(f"{name}: best {device} engine {b:.3g} item-steps/s = {b / mujoco[name]:.0f}x mujoco.rollout "
+             f"on this machine's {os.cpu_count()} CPU cores")
+    res["top_batch"] = top
+    res["engine_top_batch_min_steps_per_s"] = min(best(n, f"_b{top}") for n in structures)
+    _log(f"batch {top}, best path per structure, slowest structure: {res['engine_top_batch_min_steps_per_s']:.3g} "
+         f"item-steps/s (goal at 65536 on a GPU: >= {GOAL_B65K:.0e})")
+    save()
+
+
+def median_errors(identified: Path, truth: Path) -> Dict[str, float]:
+    """Median error per kind against the truth: % for stiffness, damping, mass; mm for rest lengths."""
+    est = params_from_structure(load_structure(identified)).named()
+    true = params_from_structure(load_structure(truth)).named()
+    by_kind: Dict[str, list] = {}
+    for n, t in true.items():
+        k, e, t = kind_of(n), float(est[n]), float(t)
+        if k in ("stiffness", "damping", "mass"):
+            by_kind.setdefault(k + "_pct", []).append(abs(e / t - 1) * 100)
+        elif k == "rest_length":
+            by_kind.setdefault("rest_length_mm", []).append(abs(e - t) * 1e3)
+    return {k: float(np.median(v)) for k, v in by_kind.items()}
+
+
+def identify_part(res: Dict[str, Any], save, work: Path, bag: Optional[Path] = None,
+                  devices: Sequence[str] = ("cuda", "cpu")) -> None:
+    """`tensegrity identify BAG` with default flags, once per device, as a user runs it; wall time of the command."""
+    if bag is None:
+        sim = work / "sim16"
+        rc, sec, _ = run_cli(["simulate", str(MODEL), "--duration", "16", "--out", str(sim), "--bag", str(sim / "bag"),
+                              "--perturb", "0.1", "--force"], show_progress=False)
+        if rc != 0:
+            raise RuntimeError(f"simulate exited {rc}")
+        bag = sim / "bag"
+    from rosbags.rosbag2 import Reader
+    with Reader(bag) as reader:
+        length = reader.duration / 1e9
+    truth = bag.parent / "true_model.yaml"
+    rows = res.setdefault("identify", {"bag": str(bag), "recording_s": length})
+    for dev in devices:
+        out = work / f"identified_{dev}.yaml"
+        rc, sec, text = run_cli(["identify", str(bag), "--model", str(MODEL), "--out", str(out), "--force",
+                                 "--device", dev], show_progress=False)
+        (work / f"identify_{dev}.log").write_text(text)
+        row = {"rc": rc, "wall_s": sec, "real_time_factor": sec / rows["recording_s"]}
+        if out.exists() and truth.exists():
+            row["median_error"] = median_errors(out, truth)
+        rows[dev] = row
+        _log(f"identify --device {dev}: exit {rc}, {sec:.1f} s ({sec / rows['recording_s']:.2f}x real time)"
+             + (f"; median error {', '.join(f'{k} {v:.3g}' for k, v in row['median_error'].items())}"
+                if "median_error" in row else ""))
+        save()
+
+
+def run(parts: Sequence[str] = ("engine", "identify"), bag: Optional[Path] = None, out: Path = OUT,
+        work: Optional[Path] = None, device: str = "cuda", engine_kw: Optional[Dict[str, Any]] = None
+        ) -> Dict[str, Any]:
+    """Both parts on ``device`` (``cpu``: a dry run of the same code, for the tests; ``engine_kw``: smaller batches
+    for the same reason). Without CUDA and ``device="cuda"``: measures nothing and says so."""
+    res: Dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cuda": torch.cuda.is_available(),
+                           "measured_on": device}
+    if device == "cuda" and not res["cuda"]:
+        res["reason"] = "no CUDA device: nothing measured (run this on a machine with an NVIDIA GPU)"
+        _log(res["reason"])
+        return res
+    res["device"] = device_info() if device == "cuda" else {"name": "cpu", "cpu_count": os.cpu_count(),
+                                                              "torch": torch.__version__}
+    _log(f"device: {res['device']}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(res, indent=2))
+        tmp.replace(out)
+
+    if "engine" in parts:
+        engine_part(res, save, device=device, **(engine_kw or {}))
+    if "identify" in parts:
+        identify_part(res, save, work or out.parent / "gpu_identify", bag, devices=tuple(dict.fromkeys((device, "cpu"))))
+    save()
+    _log(f"wrote {out}")
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=("engine", "identify"), help="one part (default: both)")
+    ap.add_argument("--bag", type=Path, help="identify this bag (default: simulate the README's 16-s bag)")
+    ap.add_argument("--out", type=Path, default=OUT, help=f"results JSON (default {OUT})")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: a dry run of the same code (default cuda)")
+    ap.add_argument("--batches", type=int, nargs="+", help=f"engine batch sizes (default {' '.join(map(str, BATCHES))}; "
+                    "given: the compiled path and the gradients at the largest)")
+    a = ap.parse_args(argv)
+    kw = None if not a.batches else {"batches": tuple(a.batches), "compiled_batches": (max(a.batches),),
+                                     "grad_batches": (max(a.batches),)}
+    run(parts=(a.only,) if a.only else ("engine", "identify"), bag=a.bag, out=a.out, device=a.device, engine_kw=kw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
