@@ -13,8 +13,11 @@
 * MuJoCo: a Python ``mj_step`` loop (one core) and ``mujoco.rollout`` with nthread = os.cpu_count();
 * agreement with the twin (node positions, mm) on the scenarios of test/test_engine_vs_mujoco.py.
 
+* the roofline: matrix-product flops per item-step (torch's flop counter, reference layout) times the best batch-1024
+  rate, as a fraction of the float32 GEMM rate measured on the same threads.
+
 Writes ``build/bench/engine.json`` (keys per structure: engine_b1024_steps_per_s, mujoco_rollout_steps_per_s,
-ratio_b1024_vs_rollout, horizon_1s_b1_ms, max_abs_error_vs_mujoco_mm, and the details).
+ratio_b1024_vs_rollout, roofline_b1024, horizon_1s_b1_ms, max_abs_error_vs_mujoco_mm, and the details).
 Timings are the best of a few repeats (the machine may be shared).
 """
 from __future__ import annotations
@@ -87,6 +90,45 @@ def engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_
     warm = time.perf_counter() - t0
     sec = _best(once)
     return B * steps / sec, warm
+
+
+def reference_flops_per_item_step(eng, B: int = 64, steps: int = 10) -> float:
+    """Matrix-product flops of one engine step per batch item, counted by torch's flop counter on the reference
+    (batch-first, dense constant matrices) layout: the count at batch 2B minus the count at B, so that the work
+    done once per rollout (the parameters' derived matrices) is left out. Elementwise work is not counted, and the
+    batch-last fast path does the same products as gathers, so this measures the model's work, not what a path
+    executes."""
+    from torch.utils.flop_counter import FlopCounterMode
+    p = eng.default_params()
+
+    def count(b):
+        s0 = eng.project(p, eng.initial_state(batch=b))
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            eng.rollout(p, s0, None, DT, steps=steps)
+        return counter.get_total_flops()
+    return (count(2 * B) - count(B)) / (steps * B)
+
+
+def peak_gflops(device="cpu", n: int = 2048, repeats: int = 5) -> float:
+    """The machine's float32 matrix-product rate, measured: the best of ``repeats`` n x n x n products on
+    ``device`` (on the CPU with torch's current thread count). The roofline's ceiling, in Gflop/s."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=g).to(device) for _ in range(2))
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
+
+    def once():
+        a @ b
+        sync()
+    once()
+    return 2 * n ** 3 / _best(once, repeats) / 1e9
+
+
+def roofline(eng, rate: float, peak: float) -> dict:
+    """{flops per item-step, achieved Gflop/s at ``rate`` item-steps/s, the fraction of ``peak`` Gflop/s}."""
+    flops = reference_flops_per_item_step(eng)
+    return {"flops_per_item_step": flops, "achieved_gflops": rate * flops / 1e9, "peak_gflops": peak,
+            "fraction_of_peak": rate * flops / 1e9 / peak}
 
 
 def compiled_over_eager(engine: dict) -> dict:
@@ -228,6 +270,14 @@ def run(structures=tuple(STRUCTURES), batches=(1, 64, 1024), grads=(False, True)
             r["engine_b1024_steps_per_s"] = max(b1024)
             r["ratio_b1024_vs_rollout"] = max(b1024) / mj_roll
             log(f"{tag:34s} batch 1024 / MuJoCo rollout = {r['ratio_b1024_vs_rollout']:.1f}x")
+            torch.set_num_threads(big_threads)
+            if "peak_gflops" not in results:
+                results["peak_gflops"] = peak_gflops()
+            r["roofline_b1024"] = roofline(eng, max(b1024), results["peak_gflops"])
+            rf = r["roofline_b1024"]
+            log(f"{tag:34s} roofline: {rf['flops_per_item_step'] / 1e3:.1f} kflop per item-step (matrix products), "
+                f"{rf['achieved_gflops']:.2f} Gflop/s at batch 1024 = {100 * rf['fraction_of_peak']:.2f} % of the "
+                f"measured float32 GEMM peak ({rf['peak_gflops']:.0f} Gflop/s on {big_threads} threads)")
         r["compiled_over_eager"] = compiled_over_eager(r["engine"])
         if r["compiled_over_eager"]:
             worst = min(r["compiled_over_eager"], key=r["compiled_over_eager"].get)

@@ -28,7 +28,7 @@ from tensegrity_ros.paths import CONFIG_DIR, REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
-from bench_engine import DT, _mujoco_rates, engine_rate  # noqa: E402  (the engine bench's own measurements)
+from bench_engine import _mujoco_rates, engine_rate, peak_gflops, roofline  # noqa: E402  (the engine bench's own)
 from benchlib import run_cli  # noqa: E402
 
 from tensegrity_ros.engine import make_engine, params_from_structure  # noqa: E402
@@ -107,11 +107,17 @@ def engine_part(res: Dict[str, Any], save, structures=tuple(STRUCTURES), batches
         save()
     measure(comp=True)
     top = max(batches)
+    res["peak_gflops"] = peak_gflops(device)
     for name in structures:
         b = best(name)
         res.setdefault("ratio_vs_rollout", {})[name] = b / mujoco[name]
+        eng = make_engine(load_structure(CONFIG_DIR / "models" / f"{name}.yaml"), "nodal", STRUCTURES[name][0],
+                          dtype=torch.float32, device=device)
+        rf = res.setdefault("roofline", {})[name] = roofline(eng, b, res["peak_gflops"])
         _log(f"{name}: best {device} engine {b:.3g} item-steps/s = {b / mujoco[name]:.0f}x mujoco.rollout "
-             f"on this machine's {os.cpu_count()} CPU cores")
+             f"on this machine's {os.cpu_count()} CPU cores; {rf['flops_per_item_step'] / 1e3:.1f} kflop per "
+             f"item-step, {rf['achieved_gflops']:.1f} Gflop/s = {100 * rf['fraction_of_peak']:.2f} % of the "
+             f"measured float32 GEMM rate ({res['peak_gflops']:.0f} Gflop/s)")
     res["top_batch"] = top
     res["engine_top_batch_min_steps_per_s"] = min(best(n, f"_b{top}") for n in structures)
     _log(f"batch {top}, best path per structure, slowest structure: {res['engine_top_batch_min_steps_per_s']:.3g} "

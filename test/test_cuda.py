@@ -108,6 +108,9 @@ def test_gpu_bench_engine_part_dry_run_on_cpu(monkeypatch, tmp_path):
     best = max(rates["eager_nograd_b1"]["steps_per_s"], rates["eager_nograd_b8"]["steps_per_s"])
     assert res["ratio_vs_rollout"]["icosahedron"] == pytest.approx(
         best / res["mujoco_rollout"]["icosahedron"]["steps_per_s"])
+    rf = res["roofline"]["icosahedron"]
+    assert rf["flops_per_item_step"] > 0 and res["peak_gflops"] > 0
+    assert rf["fraction_of_peak"] == pytest.approx(best * rf["flops_per_item_step"] / 1e9 / res["peak_gflops"])
     assert res["top_batch"] == 8
     assert res["engine_top_batch_min_steps_per_s"] == rates["eager_nograd_b8"]["steps_per_s"]
     import json
