@@ -27,9 +27,23 @@ SUBCOMMANDS = {
 }
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already states one; an option without a
+    default (None, empty) or a plain on/off switch (False) shows none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (action.option_strings and default not in (None, False, "", argparse.SUPPRESS) and default != []
+                and "default" not in text.lower()):
+            text += " (default: %(default)s)"
+        return text
+
+
 def _parser_for(name: str) -> argparse.ArgumentParser:
     module, help_text = SUBCOMMANDS[name]
-    parser = argparse.ArgumentParser(prog=f"tensegrity {name}", description=help_text)
+    parser = argparse.ArgumentParser(prog=f"tensegrity {name}", description=help_text,
+                                     formatter_class=_DefaultsFormatter)
     importlib.import_module(f"tensegrity_ros.commands.{module}").add_arguments(parser)
     return parser
 
