@@ -304,7 +304,9 @@ def run(args) -> int:
         graph.shutdown()      # before the verdict: no node logs after the last line
     health = summary["health"]
     sys.stderr.write(f"tensegrity demo: median parameter error {summary['median_param_error_pct']:.1f} % "
-                     f"(nominal {nominal_err:.1f} %), 1-s prediction RMSE {summary['prediction_rmse_mm']:.2f} mm, "
+                     f"(nominal {nominal_err:.1f} %), 1-s prediction RMSE {summary['prediction_rmse_mm']:.2f} mm over the "
+                     f"whole run, {summary['prediction_rmse_mm_second_half']:.2f} mm in its second half (the first "
+                     "predicts with the nominal model until a set is accepted), "
                      f"{summary['dropped_messages']} messages not delivered; wrote {out / 'summary.json'}, "
                      f"{out / 'report.md'}" + ("" if args.no_bag else f", {out / 'bag'}") + "\n")
     return report_health(health)
