@@ -37,6 +37,7 @@ from tensegrity_ros.model import load_structure  # noqa: E402
 from tensegrity_ros.param_names import kind_of  # noqa: E402
 
 OUT = REPO_ROOT / "build" / "bench" / "gpu.json"
+IMG = REPO_ROOT / "docs" / "img"
 MODEL = CONFIG_DIR / "models" / "stacked_manipulator.yaml"
 #: structure -> integrators measured on CUDA (the engine bench's headline integrators, plus the manipulator's
 #: implicit step, which `identify` uses)
@@ -129,6 +130,44 @@ def engine_part(res: Dict[str, Any], save, structures=tuple(STRUCTURES), batches
     save()
 
 
+def plot(res: Dict[str, Any], path: Path = IMG / "gpu_engine.png") -> Path:
+    """Item-steps per second against batch size, per case, eager lines and compiled points, with the same
+    machine's ``mujoco.rollout`` as horizontal lines: the figure of docs/engine.md's GPU section."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (tag, rates) in enumerate(sorted(res.get("engine", {}).items())):
+        color = f"C{i}"
+        for kind, style in (("eager_nograd", "o-"), ("eager_grad", "s--")):
+            pts = sorted((int(k.rsplit("_b", 1)[1]), v["steps_per_s"]) for k, v in rates.items()
+                         if k.startswith(kind + "_b"))
+            if pts:
+                ax.loglog(*zip(*pts), style, color=color, label=f"{tag}, {kind.replace('_', ', ')}")
+        for kind, marker in (("compiled_nograd", "*"), ("compiled_grad", "P")):
+            pts = [(int(k.rsplit("_b", 1)[1]), v["steps_per_s"]) for k, v in rates.items()
+                   if k.startswith(kind + "_b")]
+            if pts:
+                ax.loglog(*zip(*pts), marker, ms=11, color=color, ls="none",
+                          label=f"{tag}, {kind.replace('_', ', ')}")
+    for i, (name, m) in enumerate(sorted(res.get("mujoco_rollout", {}).items())):
+        ax.axhline(m["steps_per_s"], color="gray", ls=":", lw=1)
+        ax.text(1.1, m["steps_per_s"] * 1.15, f"mujoco.rollout, {name}, {m['nthread']} CPU threads", fontsize=7,
+                color="gray")
+    ax.axhline(GOAL_B65K, color="k", ls="-.", lw=0.8)
+    ax.text(1.1, GOAL_B65K * 1.15, "issue 20 goal at batch 65 536", fontsize=7)
+    dev = res.get("device", {})
+    ax.set(xlabel="batch size (items)", ylabel="item-steps per second",
+           title=f"engine throughput on {dev.get('name', '?')}, float32 ({res.get('date', '')})")
+    ax.grid(True, which="both", lw=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def median_errors(identified: Path, truth: Path) -> Dict[str, float]:
     """Median error per kind against the truth: % for stiffness, damping, mass; mm for rest lengths."""
     est = params_from_structure(load_structure(identified)).named()
@@ -201,6 +240,8 @@ def run(parts: Sequence[str] = ("engine", "identify"), bag: Optional[Path] = Non
 
     if "engine" in parts:
         engine_part(res, save, device=device, **(engine_kw or {}))
+        if device == "cuda":
+            _log(f"wrote {plot(res)}")
     if "identify" in parts:
         identify_part(res, save, work or out.parent / "gpu_identify", bag, devices=tuple(dict.fromkeys((device, "cpu"))))
     save()
@@ -217,7 +258,12 @@ def main(argv=None) -> int:
                     help="cpu: a dry run of the same code (default cuda)")
     ap.add_argument("--batches", type=int, nargs="+", help=f"engine batch sizes (default {' '.join(map(str, BATCHES))}; "
                     "given: the compiled path and the gradients at the largest)")
+    ap.add_argument("--plot", type=Path, metavar="JSON", help="only redraw docs/img/gpu_engine.png from a results "
+                    "file of an earlier run")
     a = ap.parse_args(argv)
+    if a.plot:
+        _log(f"wrote {plot(json.loads(a.plot.read_text()))}")
+        return 0
     kw = None if not a.batches else {"batches": tuple(a.batches), "compiled_batches": (max(a.batches),),
                                      "grad_batches": (max(a.batches),)}
     run(parts=(a.only,) if a.only else ("engine", "identify"), bag=a.bag, out=a.out, device=a.device, engine_kw=kw)
