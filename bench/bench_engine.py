@@ -11,8 +11,7 @@
   a rollout loss, per step); float32 for throughput, as the float32 fast path;
 * the 1 s horizon at batch 1 (compiled, chunk of 8 steps per call, and eager), ms;
 * MuJoCo: a Python ``mj_step`` loop (one core) and ``mujoco.rollout`` with nthread = os.cpu_count();
-* agreement with the twin (node positions, mm) on the scenarios of test/test_engine_vs_mujoco.py.
-
+* agreement with the twin (node positions, mm) on the scenarios of test/test_engine_vs_mujoco.py;
 * the roofline: matrix-product flops per item-step (torch's flop counter, reference layout) times the best batch-1024
   rate, as a fraction of the float32 GEMM rate measured on the same threads.
 

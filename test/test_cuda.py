@@ -3,6 +3,8 @@ the CPU's numbers, and stage 2 keeps its windows in one process there (a CUDA co
 windows are batched, not sharded over workers). Every test but the first skips cleanly without CUDA."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -65,8 +67,9 @@ def test_stage_2_on_cuda_gives_the_cpu_fit():
 def test_identify_command_runs_on_cuda(tmp_path):
     """`tensegrity identify --device cuda` on a short simulated manipulator bag: exit 0 and the CPU's values.
 
-    (Until 2026-11-27 this simulated the free-floating icosahedron, whose markers `identify` cannot register: it has
-    no fixed nodes, so the test failed on the first GPU it met, on the CPU side too.)"""
+    (Until 2026-11-27 this simulated the free-floating icosahedron: with no ground and no actuators it only falls,
+    its strings slack, `identify` labelled 0.4 % of its node samples and refused the bag with exit 2, so the test
+    failed on the first GPU it met, on the CPU side.)"""
     from tensegrity_ros.cli import main
     model = str(CONFIG_DIR / "models" / "stacked_manipulator.yaml")
     assert main(["simulate", model, "--duration", "2", "--out", str(tmp_path / "sim"), "--bag",
@@ -95,7 +98,7 @@ def test_gpu_bench_says_when_it_measured_nothing(monkeypatch, tmp_path, capsys):
 
 def test_gpu_bench_engine_part_dry_run_on_cpu(monkeypatch, tmp_path):
     """The same code on the CPU, small: every case measured, MuJoCo beside it, the ratio and the top-batch figure
-    derived from those rates, and the file rewritten after each measurement (a run cut short keeps them)."""
+    derived from those rates, and the results file holding them."""
     monkeypatch.syspath_prepend(str(CONFIG_DIR.parent / "bench"))
     import bench_gpu
     out = tmp_path / "gpu.json"
@@ -113,5 +116,4 @@ def test_gpu_bench_engine_part_dry_run_on_cpu(monkeypatch, tmp_path):
     assert rf["fraction_of_peak"] == pytest.approx(best * rf["flops_per_item_step"] / 1e9 / res["peak_gflops"])
     assert res["top_batch"] == 8
     assert res["engine_top_batch_min_steps_per_s"] == rates["eager_nograd_b8"]["steps_per_s"]
-    import json
     assert json.loads(out.read_text())["engine"] == res["engine"]
