@@ -1,6 +1,8 @@
 """The GPU path (issue 20 item 4): the engine, stage 2 of the identification and `tensegrity identify` on CUDA give
 the CPU's numbers, and stage 2 keeps its windows in one process there (a CUDA context does not survive a fork:
-windows are batched, not sharded over workers). Every test but the first skips cleanly without CUDA."""
+windows are batched, not sharded over workers). The three CUDA tests skip cleanly without CUDA; the first test
+and the last two (`bench/bench_gpu.py`, `make bench`'s GPU part, without CUDA and as a dry run on the CPU) run
+everywhere."""
 from __future__ import annotations
 
 import json
