@@ -1,9 +1,10 @@
 """The GPU path, measured (issue 20 item 4): the engine's throughput on CUDA up to batch 65 536, beside
-``mujoco.rollout`` on the same machine's CPU cores, and ``tensegrity identify`` on the README's 16-s manipulator bag
-with ``--device cuda`` and ``--device cpu`` on the same machine, with each run's error against the truth.
+``mujoco.rollout`` on the same machine's CPU cores; the identification's tangent step (time and kernel launches
+per step, 1 to 64 windows); and ``tensegrity identify`` on the README's 16-s manipulator bag with ``--device cuda``
+and ``--device cpu`` on the same machine, with each run's error against the truth.
 
-    python bench/bench_gpu.py                       # both parts (on a machine with CUDA; else it says so, exit 0)
-    python bench/bench_gpu.py --only engine         # or identify
+    python bench/bench_gpu.py                       # all three parts (on a machine with CUDA; else it says so)
+    python bench/bench_gpu.py --only engine         # or tangent (the identification's inner step), identify
     python bench/bench_gpu.py --bag DIR             # identify this bag (its true_model.yaml beside it) instead of
                                                     # simulating the README's one (which needs MuJoCo)
 
@@ -130,6 +131,63 @@ def engine_part(res: Dict[str, Any], save, structures=tuple(STRUCTURES), batches
     save()
 
 
+def tangent_part(res: Dict[str, Any], save, device: str = "cuda", windows: Sequence[int] = (1, 8, 64),
+                 steps: int = 50) -> None:
+    """The identification's inner loop on ``device``: one manipulator tangent step (``engine/tangent.py``, every
+    parameter and start-state direction, float64, as stage 2 runs it) with 1, 8 and 64 windows in the batch: wall
+    time per step and the number of aten operations per step (each a kernel launch on CUDA). If the time per step
+    stays flat from 1 to 64 windows, the step is bound by launches and Python, not by arithmetic."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tensegrity_ros.engine import from_unconstrained, tangent, to_unconstrained
+    from tensegrity_ros.engine.nodal import prepare, reduce
+
+    class _Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    eng = make_engine(load_structure(MODEL), "nodal", "semi_implicit", dtype=torch.float64, device=device)
+    c, p = eng.constants, eng.default_params()
+    z0 = to_unconstrained(p)
+    dth = tangent.param_tangents(c, lambda z: from_unconstrained(z, p), z0)
+    der = prepare(c, p)
+    st = eng.project(p, eng.initial_state())
+    Q0, V0 = reduce(c, st.positions), reduce(c, st.velocities)
+    nf, A = Q0.shape[-1], eng.topology.n_actuators
+    C = z0.numel() + 6 * nf
+    sync = torch.cuda.synchronize if Q0.is_cuda else (lambda: None)
+    rows = res.setdefault("tangent_step", {"structure": "stacked_manipulator", "directions": C, "rows": []})["rows"]
+    for W in windows:
+        S0 = torch.zeros(W, C, 3, nf, dtype=torch.float64, device=Q0.device)
+
+        def run(n):
+            u = torch.zeros(n, W, A, dtype=torch.float64, device=Q0.device)
+            out = tangent.rollout_tangents(c, der, dth, Q0.expand(W, -1, -1), V0.expand(W, -1, -1), S0, S0, u,
+                                           torch.zeros_like(u), None, None, 7e-4, n, eng.options,
+                                           torch.full((W, 1), float(n), dtype=torch.float64, device=Q0.device))
+            sync()
+            return out
+
+        counts = []
+        for n in (2, 4):
+            with _Count() as counter:
+                run(n)
+            counts.append(counter.ops)
+        run(steps)                                                        # warm-up
+        t0 = time.perf_counter()
+        run(steps)
+        ms = (time.perf_counter() - t0) / steps * 1e3
+        rows.append({"windows": W, "ms_per_step": ms, "aten_ops_per_step": (counts[1] - counts[0]) / 2})
+        _log(f"{device:5s} tangent step, {W:3d} windows x {C} directions: {ms:7.2f} ms per step, "
+             f"{rows[-1]['aten_ops_per_step']:.0f} aten operations per step")
+        save()
+
+
 def plot(res: Dict[str, Any], path: Path = IMG / "gpu_engine.png") -> Path:
     """Item-steps per second against batch size, per case, eager lines and compiled points, with the same
     machine's ``mujoco.rollout`` as horizontal lines: the figure of docs/engine.md's GPU section."""
@@ -217,7 +275,7 @@ def identify_part(res: Dict[str, Any], save, work: Path, bag: Optional[Path] = N
         save()
 
 
-def run(parts: Sequence[str] = ("engine", "identify"), bag: Optional[Path] = None, out: Path = OUT,
+def run(parts: Sequence[str] = ("engine", "tangent", "identify"), bag: Optional[Path] = None, out: Path = OUT,
         work: Optional[Path] = None, device: str = "cuda", engine_kw: Optional[Dict[str, Any]] = None
         ) -> Dict[str, Any]:
     """Both parts on ``device`` (``cpu``: a dry run of the same code, for the tests; ``engine_kw``: smaller batches
@@ -242,6 +300,8 @@ def run(parts: Sequence[str] = ("engine", "identify"), bag: Optional[Path] = Non
         engine_part(res, save, device=device, **(engine_kw or {}))
         if device == "cuda":
             _log(f"wrote {plot(res)}")
+    if "tangent" in parts:
+        tangent_part(res, save, device=device)
     if "identify" in parts:
         identify_part(res, save, work or out.parent / "gpu_identify", bag, devices=tuple(dict.fromkeys((device, "cpu"))))
     save()
@@ -251,7 +311,7 @@ def run(parts: Sequence[str] = ("engine", "identify"), bag: Optional[Path] = Non
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("engine", "identify"), help="one part (default: both)")
+    ap.add_argument("--only", choices=("engine", "tangent", "identify"), help="one part (default: all three)")
     ap.add_argument("--bag", type=Path, help="identify this bag (default: simulate the README's 16-s bag)")
     ap.add_argument("--out", type=Path, default=OUT, help=f"results JSON (default {OUT})")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -266,7 +326,7 @@ def main(argv=None) -> int:
         return 0
     kw = None if not a.batches else {"batches": tuple(a.batches), "compiled_batches": (max(a.batches),),
                                      "grad_batches": (max(a.batches),)}
-    run(parts=(a.only,) if a.only else ("engine", "identify"), bag=a.bag, out=a.out, device=a.device, engine_kw=kw)
+    run(parts=(a.only,) if a.only else ("engine", "tangent", "identify"), bag=a.bag, out=a.out, device=a.device, engine_kw=kw)
     return 0
 
 

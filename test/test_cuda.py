@@ -119,3 +119,16 @@ def test_gpu_bench_engine_part_dry_run_on_cpu(monkeypatch, tmp_path):
     assert res["top_batch"] == 8
     assert res["engine_top_batch_min_steps_per_s"] == rates["eager_nograd_b8"]["steps_per_s"]
     assert json.loads(out.read_text())["engine"] == res["engine"]
+
+
+def test_gpu_bench_tangent_part_dry_run_on_cpu(monkeypatch, tmp_path):
+    """The tangent-step measurement on the CPU, small: one row per window count, the same operation count whatever
+    the batch (the step's launches do not grow with the windows), and a positive time."""
+    monkeypatch.syspath_prepend(str(CONFIG_DIR.parent / "bench"))
+    import bench_gpu
+    res = {}
+    bench_gpu.tangent_part(res, lambda: None, device="cpu", windows=(1, 2), steps=3)
+    rows = res["tangent_step"]["rows"]
+    assert [r["windows"] for r in rows] == [1, 2]
+    assert rows[0]["aten_ops_per_step"] == rows[1]["aten_ops_per_step"] > 100
+    assert all(r["ms_per_step"] > 0 for r in rows)
