@@ -135,20 +135,23 @@ def tangent_part(res: Dict[str, Any], save, device: str = "cuda", windows: Seque
                  steps: int = 50) -> None:
     """The identification's inner loop on ``device``: one manipulator tangent step (``engine/tangent.py``, every
     parameter and start-state direction, float64, as stage 2 runs it) with 1, 8 and 64 windows in the batch: wall
-    time per step and the number of aten operations per step (each a kernel launch on CUDA). If the time per step
-    stays flat from 1 to 64 windows, the step is bound by launches and Python, not by arithmetic."""
+    time per step, the number of aten operations per step, and how many of them are not views (on CUDA, about
+    one kernel launch each). If the time per step stays flat from 1 to 64 windows, the step is bound by launches
+    and Python, not by arithmetic."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from tensegrity_ros.engine import from_unconstrained, tangent, to_unconstrained
     from tensegrity_ros.engine.nodal import prepare, reduce
 
     class _Count(TorchDispatchMode):
+        """aten operations, and those of them that are not views (a view launches no kernel)."""
         def __init__(self):
             super().__init__()
-            self.ops = 0
+            self.ops = self.compute = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.ops += 1
+            self.compute += not (func.is_view or func is torch.ops.aten._unsafe_view.default)
             return func(*args, **(kwargs or {}))
 
     eng = make_engine(load_structure(MODEL), "nodal", "semi_implicit", dtype=torch.float64, device=device)
@@ -174,17 +177,19 @@ def tangent_part(res: Dict[str, Any], save, device: str = "cuda", windows: Seque
             return out
 
         counts = []
-        for n in (2, 4):
+        for n in (2, 4):                  # the difference leaves out the once-per-rollout work
             with _Count() as counter:
                 run(n)
-            counts.append(counter.ops)
+            counts.append((counter.ops, counter.compute))
         run(steps)                                                        # warm-up
         t0 = time.perf_counter()
         run(steps)
         ms = (time.perf_counter() - t0) / steps * 1e3
-        rows.append({"windows": W, "ms_per_step": ms, "aten_ops_per_step": (counts[1] - counts[0]) / 2})
+        rows.append({"windows": W, "ms_per_step": ms, "aten_ops_per_step": (counts[1][0] - counts[0][0]) / 2,
+                     "compute_ops_per_step": (counts[1][1] - counts[0][1]) / 2})
         _log(f"{device:5s} tangent step, {W:3d} windows x {C} directions: {ms:7.2f} ms per step, "
-             f"{rows[-1]['aten_ops_per_step']:.0f} aten operations per step")
+             f"{rows[-1]['aten_ops_per_step']:.0f} aten operations per step, "
+             f"{rows[-1]['compute_ops_per_step']:.0f} of them not views")
         save()
 
 
