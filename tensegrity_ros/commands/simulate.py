@@ -12,6 +12,7 @@ when the run succeeds (nothing is left behind when it fails).
 from __future__ import annotations
 
 import json
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -123,6 +124,16 @@ def run(args) -> int:
     for k, v in summary.items():
         print(f"  {k:<32} {v}")
     print(f"wrote {args.out}/ (trajectory.npz, plates.csv, plates.png, summary.json)")
+    floor_mm = args.noise_mm if args.bag else 1.0
+    if summary["max_internal_motion_mm"] < floor_mm:
+        # the simulation is right, but a recording of it cannot identify anything: say so before `identify` does
+        sys.stderr.write(
+            f"tensegrity simulate: warning: the structure barely deforms (node-to-node distances change by at most "
+            f"{summary['max_internal_motion_mm']:.3g} mm, under {floor_mm:g} mm"
+            f"{', the marker noise' if args.bag else ''}), so a recording of it carries no information on its "
+            "strings" + ("" if structure.actuators else
+                         ": it has no actuators, so nothing here drives it"
+                         + ("" if structure.fixed_nodes else ", and with no fixed node it only falls")) + ".\n")
     return 0
 
 
@@ -157,7 +168,19 @@ def _summarise(structure, traj) -> dict:
         out[f"{plate}_angle_span_deg"] = [round(float(v), 2) for v in np.degrees(eul.max(0) - eul.min(0))]
     slack = [s.name for s, low in zip(structure.strings, traj.tensions.min(axis=0)) if low <= 0]
     out["strings_going_slack"] = slack
+    out["max_internal_motion_mm"] = round(internal_motion(traj.positions) * 1e3, 4)
     return out
+
+
+def internal_motion(positions: np.ndarray) -> float:
+    """How far the structure deforms over a run, m: the largest change of any node-to-node distance from the
+    first frame. A rigid motion (falling, turning) leaves it at zero, and so tells nothing of the strings."""
+    X = np.asarray(positions, dtype=float)
+    worst = 0.0
+    for i in range(X.shape[1] - 1):                     # one node against the later ones: memory O(frames x nodes)
+        d = np.linalg.norm(X[:, i + 1:] - X[:, i:i + 1], axis=-1)
+        worst = max(worst, float(np.abs(d - d[:1]).max(initial=0.0)))
+    return worst
 
 
 def _write_bag(args, path: Path, frame, structure, traj, ref, motor_velocities) -> str:
