@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
-import numpy as np
 import torch
 
 from tensegrity_ros.paths import CONFIG_DIR, REPO_ROOT
@@ -33,9 +32,9 @@ sys.path.insert(0, str(REPO_ROOT / "bench"))
 from bench_engine import _mujoco_rates, engine_rate, peak_gflops, roofline  # noqa: E402  (the engine bench's own)
 from benchlib import run_cli  # noqa: E402
 
-from tensegrity_ros.engine import make_engine, params_from_structure  # noqa: E402
+from tensegrity_ros.engine import make_engine  # noqa: E402
 from tensegrity_ros.model import load_structure  # noqa: E402
-from tensegrity_ros.param_names import kind_of  # noqa: E402
+from tensegrity_ros.validation.scoring import score  # noqa: E402
 
 OUT = REPO_ROOT / "build" / "bench" / "gpu.json"
 IMG = REPO_ROOT / "docs" / "img"
@@ -231,20 +230,6 @@ def plot(res: Dict[str, Any], path: Path = IMG / "gpu_engine.png") -> Path:
     return path
 
 
-def median_errors(identified: Path, truth: Path) -> Dict[str, float]:
-    """Median error per kind against the truth: % for stiffness, damping, mass; mm for rest lengths."""
-    est = params_from_structure(load_structure(identified)).named()
-    true = params_from_structure(load_structure(truth)).named()
-    by_kind: Dict[str, list] = {}
-    for n, t in true.items():
-        k, e, t = kind_of(n), float(est[n]), float(t)
-        if k in ("stiffness", "damping", "mass"):
-            by_kind.setdefault(k + "_pct", []).append(abs(e / t - 1) * 100)
-        elif k == "rest_length":
-            by_kind.setdefault("rest_length_mm", []).append(abs(e - t) * 1e3)
-    return {k: float(np.median(v)) for k, v in by_kind.items()}
-
-
 def identify_part(res: Dict[str, Any], save, work: Path, bag: Optional[Path] = None,
                   devices: Sequence[str] = ("cuda", "cpu")) -> None:
     """`tensegrity identify BAG` with default flags, once per device, as a user runs it: wall time of the command,
@@ -272,7 +257,10 @@ def identify_part(res: Dict[str, Any], save, work: Path, bag: Optional[Path] = N
         (work / f"identify_{dev}.log").write_text(proc.stdout + proc.stderr)
         row = {"rc": rc, "wall_s": sec, "real_time_factor": sec / rows["recording_s"]}
         if out.exists() and truth.exists():
-            row["median_error"] = median_errors(out, truth)
+            scored = score(load_structure(truth), load_structure(MODEL), load_structure(out))
+            row["median_error"] = {(k + "_mm" if v["unit"] == "m" else k + "_pct"):
+                                   v["median"] * (1e3 if v["unit"] == "m" else 100) for k, v in scored["kinds"].items()}
+            row["inside_2sigma"] = scored["inside_2sigma"]
         rows[dev] = row
         _log(f"identify --device {dev}: exit {rc}, {sec:.1f} s ({sec / rows['recording_s']:.2f}x real time)"
              + (f"; median error {', '.join(f'{k} {v:.3g}' for k, v in row['median_error'].items())}"
