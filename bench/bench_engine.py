@@ -62,6 +62,12 @@ def _best(fn, repeats=3):
     return best
 
 
+def device_sync(t: torch.Tensor):
+    """What waits for ``t``'s device: CUDA runs asynchronously, so a timing ends when the device is done, not when
+    the Python call returns."""
+    return torch.cuda.synchronize if t.is_cuda else (lambda: None)
+
+
 def engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_batch=None):
     """item-steps per second of a rollout of ``steps`` steps at batch B."""
     p = eng.default_params().map(lambda t: t.to(dtype))
@@ -71,8 +77,7 @@ def engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_
     s0 = eng.project(p, s0)
 
     kw = dict(sub_batch=sub_batch) if compile else {}
-    # CUDA runs asynchronously: a timing ends when the device is done, not when the Python call returns
-    sync = torch.cuda.synchronize if s0.positions.is_cuda else (lambda: None)
+    sync = device_sync(s0.positions)
 
     def once():
         if grad:
@@ -114,7 +119,7 @@ def peak_gflops(device="cpu", n: int = 2048, repeats: int = 5) -> float:
     ``device`` (on the CPU with torch's current thread count). The roofline's ceiling, in Gflop/s."""
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=g).to(device) for _ in range(2))
-    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
+    sync = device_sync(a)
 
     def once():
         a @ b

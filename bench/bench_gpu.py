@@ -29,7 +29,7 @@ from tensegrity_ros.paths import CONFIG_DIR, REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
-from bench_engine import _mujoco_rates, engine_rate, peak_gflops, roofline  # noqa: E402  (the engine bench's own)
+from bench_engine import _mujoco_rates, device_sync, engine_rate, peak_gflops, roofline  # noqa: E402
 from benchlib import run_cli  # noqa: E402
 
 from tensegrity_ros.engine import make_engine  # noqa: E402
@@ -162,7 +162,7 @@ def tangent_part(res: Dict[str, Any], save, device: str = "cuda", windows: Seque
     Q0, V0 = reduce(c, st.positions), reduce(c, st.velocities)
     nf, A = Q0.shape[-1], eng.topology.n_actuators
     C = z0.numel() + 6 * nf
-    sync = torch.cuda.synchronize if Q0.is_cuda else (lambda: None)
+    sync = device_sync(Q0)
     rows = res.setdefault("tangent_step", {"structure": "stacked_manipulator", "directions": C, "rows": []})["rows"]
     for W in windows:
         S0 = torch.zeros(W, C, 3, nf, dtype=torch.float64, device=Q0.device)
