@@ -61,9 +61,11 @@ def _gather_form(M: np.ndarray):
     return idx, w
 
 
-#: the constant matrices in gather form (``NodalConstants.*_i`` / ``*_w``), each with the name of its transpose
-GATHER_TRANSPOSE = {"Cst": "Cs_q", "Cs_q": "Cst", "Cbt": "Cb_q", "Cb_q": "Cbt", "G": "Gt", "Gt": "G", "Tt": "T",
-                    "T": "Tt"}
+#: the constant matrices also kept in gather form (``NodalConstants.*_i`` / ``*_w``), as (matrix, its transpose)
+#: pairs: both of a pair are there, so a gather's derivative is a gather of the other (engine/fast.py)
+GATHER_PAIRS = (("Cs_q", "Cst"), ("Cb_q", "Cbt"), ("G", "Gt"), ("T", "Tt"))
+#: each gather-form matrix's name -> its transpose's
+GATHER_TRANSPOSE = {**dict(GATHER_PAIRS), **{t: m for m, t in GATHER_PAIRS}}
 
 
 @register_tensor_dataclass
@@ -129,10 +131,11 @@ class NodalConstants:
         act = top.active_bars
         t = lambda x: as_tensor(np.ascontiguousarray(x), dtype, device)  # noqa: E731
         sparse = {}
-        for name, M in (("Cst", top.Cs_q.T), ("Cs_q", top.Cs_q), ("Cbt", top.Cb_q[act].T), ("G", top.G),
-                        ("Gt", top.G.T), ("Tt", top.T.T), ("Cb_q", top.Cb_q[act]), ("T", top.T)):
-            i, w = _gather_form(M)
-            sparse[name + "_i"], sparse[name + "_w"] = t(i), t(w)
+        dense = {"Cs_q": top.Cs_q, "Cb_q": top.Cb_q[act], "G": top.G, "T": top.T}
+        for name, name_t in GATHER_PAIRS:
+            for n, M in ((name, dense[name]), (name_t, dense[name].T)):
+                i, w = _gather_form(M)
+                sparse[n + "_i"], sparse[n + "_w"] = t(i), t(w)
         return NodalConstants(**sparse,
             T=t(top.T), Tt=t(top.T.T), XcT=t(top.Xc.T), free_idx=t(np.array(top.free_nodes, dtype=np.int64)),
             Cb_q=t(top.Cb_q[act]), Cbt=t(top.Cb_q[act].T), dcT=t(top.d_c[act].T), l2=t(top.bar_lengths[act] ** 2),
