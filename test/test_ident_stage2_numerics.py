@@ -137,7 +137,15 @@ def test_longer_windows_continue_stage2_from_the_last_result(pendulum, monkeypat
     assert k == pytest.approx(1.0, abs=0.01)
 
 
-@pytest.mark.parametrize("bad", [((0.3, 4),), ((0.0, 4, 4),), ((0.3, 0, 4),), ((0.3, 4, -1),)])
+@pytest.mark.parametrize("bad", [((0.3, 4),), ((0.0, 4, 4),), ((0.3, 0, 4),), ((0.3, 4, -1),), ((0.3, "many", 4),)])
 def test_longer_windows_are_checked(bad):
     with pytest.raises(ValueError, match="longer_windows"):
         PL.IdentifyOptions(longer_windows=bad)
+
+
+def test_auto_rung_windows_grow_with_the_recording():
+    """``"auto"``: the ladder as it was (8 windows) up to 12 s of recording, then 2 per 3 recorded seconds."""
+    assert [PL.rung_windows("auto", s) for s in (4.0, 12.0, 16.0, 24.0, 60.0)] == [8, 8, 11, 16, 40]
+    assert PL.rung_windows(5, 60.0) == 5 and PL.rung_windows(None, 60.0) is None
+    assert PL.LONGER_WINDOWS_LADDER[-1][1] == "auto"
+    PL.IdentifyOptions(longer_windows=PL.LONGER_WINDOWS_LADDER)          # accepted as options

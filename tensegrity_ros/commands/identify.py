@@ -72,10 +72,12 @@ def add_arguments(parser) -> None:
                         help="then refine again on longer windows, each run from the result before (repeatable, "
                              "in order; 'none': stop after the first fit). Default: the bench's ladder "
                              "(ident.LONGER_WINDOWS_LADDER), --longer-windows 0.2:12:3 --longer-windows 0.5:8:3 "
-                             "--longer-windows 1.0:8:10 (the last rung stops when converged). Long windows see "
+                             "--longer-windows 1.0:auto:10 (the last rung stops when converged). Long windows see "
                              "damping and masses far better but need a start near the answer; the ladder gets "
                              "there (manipulator bench, three seeds: 0.8-2.9 %% median error instead of 1.9-4.5 %% "
-                             "with one longer stage). ITERS is a cap: a rung stops earlier when converged")
+                             "with one longer stage). ITERS is a cap: a rung stops earlier when converged. COUNT "
+                             "'auto': 2 windows per 3 recorded seconds, at least 8 (a longer recording is used, "
+                             "at a cost linear in its length)")
     parser.add_argument("--noise-mm", type=float, default=1.0, help="marker noise of the recording, std [mm]")
     parser.add_argument("--prior-std", default="stiffness=0.2,damping=0.2,mass=0.2,rest_length=0.003",
                         help="the model file's uncertainty: Gaussian prior of stage 2 around it, per kind "
@@ -279,14 +281,16 @@ def _ladder(flags):
 
 
 def _longer(text: str):
-    """'0.3:24:3' -> (0.3, 24, 3): window length [s], window count, Levenberg-Marquardt iterations."""
+    """'0.3:24:3' -> (0.3, 24, 3): window length [s], window count (or 'auto': from the recorded time),
+    Levenberg-Marquardt iterations."""
     try:
         ws, nw, it = text.split(":")
-        stage = (float(ws), int(nw), int(it))
+        stage = (float(ws), "auto" if nw.strip().lower() == "auto" else int(nw), int(it))
     except ValueError:
-        raise UserError(f"--longer-windows {text!r}: expected SECONDS:COUNT:ITERS, e.g. 0.3:24:3") from None
-    if not (stage[0] > 0 and stage[1] >= 1 and stage[2] >= 0):
-        raise UserError(f"--longer-windows {text!r}: need SECONDS > 0, COUNT >= 1, ITERS >= 0")
+        raise UserError(f"--longer-windows {text!r}: expected SECONDS:COUNT:ITERS, e.g. 0.3:24:3 or 1.0:auto:10") \
+            from None
+    if not (stage[0] > 0 and (stage[1] == "auto" or stage[1] >= 1) and stage[2] >= 0):
+        raise UserError(f"--longer-windows {text!r}: need SECONDS > 0, COUNT >= 1 or auto, ITERS >= 0")
     return stage
 
 

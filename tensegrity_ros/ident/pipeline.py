@@ -32,7 +32,7 @@ from .mismatch import MismatchOptions, ModelMismatch, check_model
 from .refine import RefineOptions, RefineProblem, RefineResult, refine
 from .regression import RegressionOptions, RegressionResult, regress
 
-__all__ = ["IdentifyOptions", "IdentificationResult", "identify", "STAGES", "structure_prior_std"]
+__all__ = ["IdentifyOptions", "IdentificationResult", "identify", "STAGES", "structure_prior_std", "rung_windows"]
 
 STAGES = ("regression", "refine")
 
@@ -43,7 +43,23 @@ STAGES = ("regression", "refine")
 #: write (the generality suite's tower, 2026-11-26) that left stiffness 10.2 % off with 74 % of the truths inside
 #: +-2 sigma (z-RMS 2.9); 10 iterations converged to 5.7 % and 97 % (a further 4 x 2.0-s rung: 4.6 %, 98 %, but
 #: its covariance alone takes minutes on the manipulator).
-LONGER_WINDOWS_LADDER = ((0.2, 12, 3), (0.5, 8, 3), (1.0, 8, 10))
+LONGER_WINDOWS_LADDER = ((0.2, 12, 3), (0.5, 8, 3), (1.0, "auto", 10))
+
+#: a rung's window count ``"auto"``: AUTO_WINDOWS_PER_S per recorded second (all recordings together), at least
+#: AUTO_WINDOWS_MIN. 8 up to 12 s of recording (the ladder as it was), 16 for 24 s. A cap: only windows that fit
+#: between the held-out ones count (the README's 16-s bag has room for 8, so it is fitted as before).
+#: Why: with a fixed count, a longer recording bought nothing. On the generality suite's icosahedron (seed 0),
+#: 24 s with 16 one-second windows took the damping median from 18.6 % (12 s, 8 windows) to 8.4 %, stiffness
+#: 2.1 -> 1.3 %, rest lengths 0.37 -> 0.20 mm, for 66 s of identify instead of 55 s (2026-11-27).
+AUTO_WINDOWS_PER_S = 2.0 / 3.0
+AUTO_WINDOWS_MIN = 8
+
+
+def rung_windows(count, recorded_s: float) -> Optional[int]:
+    """A ladder rung's window count: an int (or None: every window) as given; ``"auto"`` from the recorded time."""
+    if count == "auto":
+        return max(AUTO_WINDOWS_MIN, int(round(AUTO_WINDOWS_PER_S * recorded_s)))
+    return count
 
 
 #: IdentifyOptions.from_flat: the facts both stages use, stated once (stage 1's RegressionOptions and stage 2's
@@ -83,7 +99,8 @@ class IdentifyOptions:
         CPU only, same results; on the manipulator bench two gave 1.77x on 24 x 0.1-s Jacobians and 1.54x on
         8 x 1.0-s ones). Its windows, data and engine also make the stage-2 start probe, the stage-1-only
         residual and the held-out windows (:meth:`RefineProblem.for_prediction`).
-    longer_windows: continuation of stage 2, ``((window_s, max_windows, max_iter), ...)``: after the fit on
+    longer_windows: continuation of stage 2, ``((window_s, max_windows, max_iter), ...)`` (``max_windows``
+        ``"auto"``: :func:`rung_windows`, from the recorded time): after the fit on
         ``refine.window_s`` windows, fit again on longer windows, each run starting from the previous result (the
         Gaussian prior stays centred where it was). Short windows are nearly convex from a start ~20 % off;
         long ones carry far more information per window (their start states cost the same 6 nf unknowns),
@@ -127,7 +144,7 @@ class IdentifyOptions:
     integrator: str = "semi_implicit"
     regression: RegressionOptions = RegressionOptions(estimate=DEFAULT_KINDS)
     refine: RefineOptions = RefineOptions(kinds=DEFAULT_KINDS)
-    longer_windows: Tuple[Tuple[float, Optional[int], int], ...] = ()
+    longer_windows: Tuple[Tuple[float, Union[int, str, None], int], ...] = ()
     stage2_start: str = "auto"
     stage1_max_factor: float = 3.0
     residual: bool = True
@@ -184,9 +201,11 @@ class IdentifyOptions:
         if self.backend not in ("nodal", "spring_rod"):
             raise ValueError(f"IdentifyOptions.backend = {self.backend!r} (valid: nodal, spring_rod)")
         for k, stage in enumerate(self.longer_windows):
-            if len(stage) != 3 or not stage[0] > 0 or (stage[1] is not None and stage[1] < 1) or stage[2] < 0:
+            count_ok = stage[1] is None or stage[1] == "auto" or (isinstance(stage[1], int) and stage[1] >= 1) \
+                if len(stage) == 3 else False
+            if len(stage) != 3 or not stage[0] > 0 or not count_ok or stage[2] < 0:
                 raise ValueError(f"IdentifyOptions.longer_windows[{k}] = {stage!r}: expected (window_s > 0, "
-                                 "max_windows >= 1 or None, max_iter >= 0)")
+                                 "max_windows >= 1, None or 'auto', max_iter >= 0)")
 
 
 @dataclass
@@ -541,6 +560,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                 for ws, nw, it in opts.longer_windows:
                     if not (_finite(ref.params) and math.isfinite(ref.loss)):
                         break
+                    nw = rung_windows(nw, sum(d.duration for d in datasets))
                     next_opts = dataclasses.replace(fopts, window_s=float(ws), max_windows=nw, max_iter=int(it),
                                                     delay_s=ref.delay_s, prior_center=centre)
                     try:
@@ -596,7 +616,11 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                         timings["model_check"] = time.perf_counter() - ts
                     if opts.prior_dominated_ratio is not None and fopts.prior_std:
                         centre_values = {n: float(v) for n, v in centre.named().items()}
-                        dominated = prior_dominated(std, centre_values, fopts.prior_std, opts.prior_dominated_ratio)
+                        # whether the data determine a parameter is a question of information: judged on sigma
+                        # without the prior's pull (which grows where the data move the estimate off the prior)
+                        pull = calibration.get("prior_pull", {})
+                        spread = {n: math.sqrt(max(v ** 2 - pull.get(n, 0.0) ** 2, 0.0)) for n, v in std.items()}
+                        dominated = prior_dominated(spread, centre_values, fopts.prior_std, opts.prior_dominated_ratio)
                         if dominated:
                             params = params.with_values({n: centre_values[n] for n in dominated})
                             std.update({n: p for n, (_, p) in dominated.items()})
