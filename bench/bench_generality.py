@@ -21,8 +21,8 @@ of 3-bar prisms with a composite actuated string, a 6-bar icosahedron welded at 
     python bench/bench_generality.py [--only prism4_fixed,...] [--seed 0] [--duration 24] [--from-truth]
                                      [--no-wrong-law]
 
-``run(...) -> dict`` is what ``bench/run_all.py`` calls (``generality``; 221 s for the three structures and their
-swapped-law runs on the 2-core machine, nothing else running, 2026-11-27).
+``run(...) -> dict`` is what ``bench/run_all.py`` calls (``generality``; 438 s for the three structures' 24-s
+recordings and their swapped-law runs on the 2-core machine, nothing else running, 2026-11-27; 221 s at 12 s).
 
 Writes build/bench/generality.json (and each recording and identify log under build/bench/generality/). Exits 1 when
 a target of item 6 is missed: every kind better than the nominal; stiffness median < 5 %, damping < 15 %,

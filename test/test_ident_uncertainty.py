@@ -100,8 +100,8 @@ def test_the_priors_pull_is_in_sigma_where_the_prior_is_off():
     """A prior centred on the nominal (~20 % and ~2 mm off this truth) but stated three times too tight: the
     estimate is pulled towards it by more than the posterior's own spread, the same way in every noise draw.
     The standard deviations then carry that pull, H^-1 g_prior at the estimate (variance + bias^2): without it,
-    fewer of the truths lie inside +-2 sigma; with it, the pull is a visible share of sigma where the prior
-    moved the estimate (and zero where nothing pulls)."""
+    fewer of the truths lie inside +-2 sigma, and the z-scores are larger (measured: 10 of 12 inside without the
+    pull, 12 of 12 with it; pull 0.02-0.76 of sigma)."""
     nominal, truth, truth_dict, rng = _nominal_and_truth(0)
     tight = {"stiffness": 0.07, "damping": 0.07, "rest_length": 0.0007}
     res = identify(nominal, _engine_recording(truth, rng), options=OPTIONS.with_flat(prior_std=tight))

@@ -201,9 +201,9 @@ class IdentifyOptions:
         if self.backend not in ("nodal", "spring_rod"):
             raise ValueError(f"IdentifyOptions.backend = {self.backend!r} (valid: nodal, spring_rod)")
         for k, stage in enumerate(self.longer_windows):
-            count_ok = stage[1] is None or stage[1] == "auto" or (isinstance(stage[1], int) and stage[1] >= 1) \
-                if len(stage) == 3 else False
-            if len(stage) != 3 or not stage[0] > 0 or not count_ok or stage[2] < 0:
+            count_ok = len(stage) == 3 and (stage[1] is None or stage[1] == "auto"
+                                            or (isinstance(stage[1], int) and stage[1] >= 1))
+            if not count_ok or not stage[0] > 0 or stage[2] < 0:
                 raise ValueError(f"IdentifyOptions.longer_windows[{k}] = {stage!r}: expected (window_s > 0, "
                                  "max_windows >= 1, None or 'auto', max_iter >= 0)")
 
