@@ -49,7 +49,8 @@ from benchlib import run_cli  # noqa: E402
 from tensegrity_ros.ident.lawcheck import LawCheck, swap_actuated_laws  # noqa: E402
 from tensegrity_ros.model import dump_structure, load_structure  # noqa: E402
 from tensegrity_ros.validation import independent as I  # noqa: E402
-from tensegrity_ros.validation.scoring import COVERAGE_TARGET, TABLE_HEADER, TARGETS, format_row, score  # noqa: E402
+from tensegrity_ros.validation.scoring import (COVERAGE_TARGET, DISPLAY_UNITS, TABLE_HEADER, TARGETS,  # noqa: E402
+                                              format_row, score)
 
 OUT = REPO_ROOT / "build" / "bench"
 #: seconds recorded per structure. 24, not 12 (until stop 29): identify's last rung now uses windows in proportion
@@ -123,9 +124,9 @@ def run(structures: Sequence[str] = I.SUITE, seed: int = 0, duration_s: float = 
     res["targets_met"] = not res["missed"]
     scored = [e["score"] for e in results.values() if "score" in e]
     if scored:
-        res["worst"] = {f"{k}_median_{'mm' if k == 'rest_length' else 'pct'}":
-                        max(s["kinds"][k]["median"] for s in scored) * (1e3 if k == "rest_length" else 100)
-                        for k in scored[0]["kinds"]}
+        res["worst"] = {f"{k}_median_{DISPLAY_UNITS[v['unit']][1]}":
+                        max(s["kinds"][k]["median"] for s in scored) * DISPLAY_UNITS[v["unit"]][0]
+                        for k, v in scored[0]["kinds"].items()}
         res["worst"]["inside_2sigma"] = min(s["inside_2sigma"] for s in scored)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "generality.json").write_text(json.dumps(res, indent=2, default=str))
@@ -162,7 +163,7 @@ def report(res: dict) -> list:
             if not k["meets_target"]:
                 shown = f"{k['median'] * 1e3:.2f} mm" if k["unit"] == "m" else f"{k['median']:.1%}"
                 missed.append(f"{name}: {kind} median {shown} (target < "
-                              f"{TARGETS[kind] * 1e3 if k['unit'] == 'm' else TARGETS[kind] * 100:g}"
+                              f"{TARGETS[kind] * DISPLAY_UNITS[k['unit']][0]:g}"
                               f"{' mm' if k['unit'] == 'm' else ' %'})")
         if s["inside_2sigma"] < COVERAGE_TARGET:
             missed.append(f"{name}: {s['inside_2sigma']:.0%} inside +-2 sigma (target >= {COVERAGE_TARGET:.0%})")

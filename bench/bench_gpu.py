@@ -34,7 +34,7 @@ from benchlib import run_cli  # noqa: E402
 
 from tensegrity_ros.engine import make_engine  # noqa: E402
 from tensegrity_ros.model import load_structure  # noqa: E402
-from tensegrity_ros.validation.scoring import score  # noqa: E402
+from tensegrity_ros.validation.scoring import DISPLAY_UNITS, score  # noqa: E402
 
 OUT = REPO_ROOT / "build" / "bench" / "gpu.json"
 IMG = REPO_ROOT / "docs" / "img"
@@ -258,8 +258,8 @@ def identify_part(res: Dict[str, Any], save, work: Path, bag: Optional[Path] = N
         row = {"rc": rc, "wall_s": sec, "real_time_factor": sec / rows["recording_s"]}
         if out.exists() and truth.exists():
             scored = score(load_structure(truth), load_structure(MODEL), load_structure(out))
-            row["median_error"] = {(k + "_mm" if v["unit"] == "m" else k + "_pct"):
-                                   v["median"] * (1e3 if v["unit"] == "m" else 100) for k, v in scored["kinds"].items()}
+            row["median_error"] = {f"{k}_{DISPLAY_UNITS[v['unit']][1]}": v["median"] * DISPLAY_UNITS[v["unit"]][0]
+                                   for k, v in scored["kinds"].items()}
             row["inside_2sigma"] = scored["inside_2sigma"]
         rows[dev] = row
         _log(f"identify --device {dev}: exit {rc}, {sec:.1f} s ({sec / rows['recording_s']:.2f}x real time)"

@@ -22,6 +22,8 @@ KINDS: Tuple[str, ...] = ("stiffness", "damping", "mass", "rest_length")
 #: issue 17 item 6's targets on the median error per kind (fractions; rest length in metres) and on coverage.
 TARGETS = {"stiffness": 0.05, "damping": 0.15, "mass": 0.03, "rest_length": 0.001}
 COVERAGE_TARGET = 0.90
+#: how an error of each score unit is shown: (factor, key suffix) -- relative errors in %, metres in mm
+DISPLAY_UNITS = {"relative": (100.0, "pct"), "m": (1e3, "mm")}
 
 
 def _values(s: Structure, kind: str) -> Tuple[Tuple[str, ...], np.ndarray]:
@@ -81,10 +83,12 @@ def format_row(name: str, s: dict, wall_s: float) -> str:
         k = s["kinds"].get(kind)
         if k is None:
             cells.append("-")
-        elif k["unit"] == "m":
-            cells.append(f"{k['median'] * 1e3:.2f} mm ({k['nominal_median'] * 1e3:.2f})")
+            continue
+        f = DISPLAY_UNITS[k["unit"]][0]
+        if k["unit"] == "m":
+            cells.append(f"{k['median'] * f:.2f} mm ({k['nominal_median'] * f:.2f})")
         else:
-            cells.append(f"{k['median'] * 100:.1f} % ({k['nominal_median'] * 100:.1f})")
+            cells.append(f"{k['median'] * f:.1f} % ({k['nominal_median'] * f:.1f})")
     return (f"| {name} | " + " | ".join(cells) + f" | {s['inside_2sigma'] * 100:.0f} % ({s['parameters']}) | "
             f"{wall_s:.0f} s |")
 
