@@ -37,6 +37,8 @@ from tensegrity_ros.model import load_structure  # noqa: E402
 from tensegrity_ros.validation.scoring import DISPLAY_UNITS, score  # noqa: E402
 
 OUT = REPO_ROOT / "build" / "bench" / "gpu.json"
+#: the bench's parts, in the order they run
+PARTS = ("engine", "tangent", "identify")
 IMG = REPO_ROOT / "docs" / "img"
 MODEL = CONFIG_DIR / "models" / "stacked_manipulator.yaml"
 #: structure -> integrators measured on CUDA (the engine bench's headline integrators, plus the manipulator's
@@ -268,7 +270,7 @@ def identify_part(res: Dict[str, Any], save, work: Path, bag: Optional[Path] = N
         save()
 
 
-def run(parts: Sequence[str] = ("engine", "tangent", "identify"), bag: Optional[Path] = None, out: Path = OUT,
+def run(parts: Sequence[str] = PARTS, bag: Optional[Path] = None, out: Path = OUT,
         work: Optional[Path] = None, device: str = "cuda", engine_kw: Optional[Dict[str, Any]] = None
         ) -> Dict[str, Any]:
     """Both parts on ``device`` (``cpu``: a dry run of the same code, for the tests; ``engine_kw``: smaller batches
@@ -304,7 +306,7 @@ def run(parts: Sequence[str] = ("engine", "tangent", "identify"), bag: Optional[
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("engine", "tangent", "identify"), help="one part (default: all three)")
+    ap.add_argument("--only", choices=PARTS, help="one part (default: all three)")
     ap.add_argument("--bag", type=Path, help="identify this bag (default: simulate the README's 16-s bag)")
     ap.add_argument("--out", type=Path, default=OUT, help=f"results JSON (default {OUT})")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -319,7 +321,7 @@ def main(argv=None) -> int:
         return 0
     kw = None if not a.batches else {"batches": tuple(a.batches), "compiled_batches": (max(a.batches),),
                                      "grad_batches": (max(a.batches),)}
-    run(parts=(a.only,) if a.only else ("engine", "tangent", "identify"), bag=a.bag, out=a.out, device=a.device, engine_kw=kw)
+    run(parts=(a.only,) if a.only else PARTS, bag=a.bag, out=a.out, device=a.device, engine_kw=kw)
     return 0
 
 

@@ -557,10 +557,11 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                 stage_fits.append((float(fopts.window_s), ref))
                 # where the prior stays centred for every later run and check (the first run's start unless given)
                 centre = fopts.prior_center if fopts.prior_center is not None else start
+                recorded_s = sum(d.duration for d in datasets)      # what an "auto" rung's window count follows
                 for ws, nw, it in opts.longer_windows:
                     if not (_finite(ref.params) and math.isfinite(ref.loss)):
                         break
-                    nw = rung_windows(nw, sum(d.duration for d in datasets))
+                    nw = rung_windows(nw, recorded_s)
                     next_opts = dataclasses.replace(fopts, window_s=float(ws), max_windows=nw, max_iter=int(it),
                                                     delay_s=ref.delay_s, prior_center=centre)
                     try:
