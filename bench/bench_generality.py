@@ -19,7 +19,7 @@ of 3-bar prisms with a composite actuated string, a 6-bar icosahedron welded at 
    wrong law): the string-law check (``ident/lawcheck.py``) should name the swapped file, and not the right one.
 
     python bench/bench_generality.py [--only prism4_fixed,...] [--seed 0] [--duration 24] [--from-truth]
-                                     [--no-wrong-law]
+                                     [--no-wrong-law] [--noise-mm 1]
 
 ``run(...) -> dict`` is what ``bench/run_all.py`` calls (``generality``; 438 s for the three structures' 24-s
 recordings and their swapped-law runs on the 2-core machine, nothing else running, 2026-11-27; 221 s at 12 s).
@@ -33,6 +33,7 @@ not the right one).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -58,14 +59,15 @@ OUT = REPO_ROOT / "build" / "bench"
 #: on five of the six structure-seeds (seeds 0 and 1; at 12 s: two of six), and the truths inside +-2 sigma were
 #: 91-100 % (82-100 %). Cost: ~60 s of identify per structure instead of ~45 s.
 DURATION_S = 24.0
-LAB_FLAGS = ["--noise-mm", "1", "--estimate-delay", "--prior-std",
-             "stiffness=0.2,damping=0.2,mass=0.02,rest_length=0.002"]
+#: the lab's flags after ``--noise-mm`` (which states the recording's marker noise, 1 mm unless ``--noise-mm``)
+LAB_FLAGS = ["--estimate-delay", "--prior-std", "stiffness=0.2,damping=0.2,mass=0.02,rest_length=0.002"]
 
 
-def _identify(rec: Path, model: Path, out: Path, extra: Sequence[str]) -> dict:
+def _identify(rec: Path, model: Path, out: Path, extra: Sequence[str], noise_mm: float = 1.0) -> dict:
     """Run `tensegrity identify` in this process; its console output goes to OUT/identify.log."""
     rc, wall, text = run_cli(["identify", str(rec / "bag"), "--model", str(model), "--mocap-frame",
-                              str(rec / "mocap_guess.yaml"), "--out", str(out), "--force", *LAB_FLAGS, *extra])
+                              str(rec / "mocap_guess.yaml"), "--out", str(out), "--force",
+                              "--noise-mm", f"{noise_mm:g}", *LAB_FLAGS, *extra])
     out.with_suffix(".log").write_text(text)
     m = re.search(r"residual RMS ([0-9.]+) mm", text)
     d = re.search(r"^\s*delay_s\s+([-0-9.e]+)", text, re.M)
@@ -75,26 +77,27 @@ def _identify(rec: Path, model: Path, out: Path, extra: Sequence[str]) -> dict:
 
 
 def run(structures: Sequence[str] = I.SUITE, seed: int = 0, duration_s: float = DURATION_S, from_truth: bool = False,
-        extra: Sequence[str] = (), wrong_law: bool = True) -> dict:
+        extra: Sequence[str] = (), wrong_law: bool = True, noise_mm: float = 1.0) -> dict:
     results = {}
     base = OUT / "generality"
     for name in structures:
         rec = base / name
         print(f"--- {name}: recording {duration_s:g} s of the independent model (seed {seed})", flush=True)
         t0 = time.perf_counter()
-        info = I.record(I.load_suite_structure(name), rec, seed=seed, duration_s=duration_s)
+        info = I.record(I.load_suite_structure(name), rec, seed=seed, duration_s=duration_s,
+                        habits=dataclasses.replace(I.LabHabits(), noise_mm=noise_mm))
         print(f"    {time.perf_counter() - t0:.1f} s; excursion {info['node_excursion_mm']:.1f} mm, tension "
               f"{info['min_tension_N']:.1f}-{info['max_tension_N']:.1f} N, slack {info['slack_strings']}", flush=True)
         truth, nominal = load_structure(rec / "truth.yaml"), load_structure(rec / "nominal.yaml")
         print(f"--- {name}: tensegrity identify ({len(nominal.strings)} strings, {len(nominal.bars)} bars)", flush=True)
-        run_info = _identify(rec, rec / "nominal.yaml", rec / "identified.yaml", extra)
+        run_info = _identify(rec, rec / "nominal.yaml", rec / "identified.yaml", extra, noise_mm)
         entry = {"recording": info, "identify": run_info}
         if run_info["rc"] in (0, 3):            # 3: written, but a check failed (run_info says which)
             entry["score"] = score(truth, nominal, load_structure(rec / "identified.yaml"))
             print("    " + format_row(name, entry["score"], run_info["wall_s"]), flush=True)
         if from_truth:
             print(f"--- {name}: tensegrity identify started from the TRUTH", flush=True)
-            ft = _identify(rec, rec / "truth.yaml", rec / "from_truth.yaml", extra)
+            ft = _identify(rec, rec / "truth.yaml", rec / "from_truth.yaml", extra, noise_mm)
             entry["from_truth"] = {"identify": ft}
             if ft["rc"] in (0, 3):
                 s = score(truth, truth, load_structure(rec / "from_truth.yaml"))
@@ -105,7 +108,7 @@ def run(structures: Sequence[str] = I.SUITE, seed: int = 0, duration_s: float = 
             dump_structure(swapped, rec / "nominal_wrong_law.yaml")
             print(f"--- {name}: tensegrity identify with the actuated strings' law swapped ({', '.join(strings)})",
                   flush=True)
-            wl = _identify(rec, rec / "nominal_wrong_law.yaml", rec / "identified_wrong_law.yaml", extra)
+            wl = _identify(rec, rec / "nominal_wrong_law.yaml", rec / "identified_wrong_law.yaml", extra, noise_mm)
             entry["wrong_law"] = {"identify": wl}
             if wl["rc"] in (0, 3):
                 entry["wrong_law"]["score"] = score(truth, nominal, load_structure(rec / "identified_wrong_law.yaml"))
@@ -113,7 +116,8 @@ def run(structures: Sequence[str] = I.SUITE, seed: int = 0, duration_s: float = 
                   f"{wl['mismatch_flagged']} ({wl['wall_s']:.0f} s)", flush=True)
         results[name] = entry
     res = {"seed": seed, "duration_s": duration_s, "structures": results, "targets": TARGETS,
-           "coverage_target": COVERAGE_TARGET, "lab_flags": LAB_FLAGS + list(extra)}
+           "coverage_target": COVERAGE_TARGET, "noise_mm": noise_mm,
+           "lab_flags": ["--noise-mm", f"{noise_mm:g}"] + LAB_FLAGS + list(extra)}
     laws = [e for e in results.values() if "wrong_law" in e]
     if laws:        # [flagged, of] structures: the swapped file should be flagged everywhere, the right one nowhere
         res["string_law"] = {
@@ -201,6 +205,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--duration", type=float, default=DURATION_S, help="recorded seconds per structure")
     ap.add_argument("--from-truth", action="store_true", help="also identify from the true parameters")
+    ap.add_argument("--noise-mm", type=float, default=1.0,
+                    help="marker noise of the recordings, std [mm] (default: 1.0, item 6's lab); identify is told it")
     ap.add_argument("--no-wrong-law", action="store_true",
                     help="skip identifying each structure again with its actuated strings' law swapped (the "
                          "string-law check's test: it should say so)")
@@ -212,7 +218,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if bad:
         ap.error(f"unknown structure(s) {bad} (valid: {', '.join(I.SUITE)})")
     t0 = time.perf_counter()
-    res = run(names, args.seed, args.duration, args.from_truth, args.identify_arg, wrong_law=not args.no_wrong_law)
+    if not args.noise_mm > 0:
+        ap.error(f"--noise-mm {args.noise_mm}: the marker noise must be > 0 mm (identify weighs the data by it)")
+    res = run(names, args.seed, args.duration, args.from_truth, args.identify_arg, wrong_law=not args.no_wrong_law,
+              noise_mm=args.noise_mm)
     res["wall_s"] = time.perf_counter() - t0
     missed = res["missed"]
     OUT.mkdir(parents=True, exist_ok=True)

@@ -139,3 +139,18 @@ def test_window_workers_stay_in_process_inside_a_daemon():
     inside = q.get(timeout=60)
     p.join(timeout=60)
     assert can_fork("cpu") is True and inside is False
+
+
+def test_quieter_data_get_shorter_engine_steps(pendulum_data):
+    """The engine step follows the stated marker noise (``max_step_for_noise``): semi-implicit Euler's stiffness
+    bias goes as h^2 and a parameter's sigma as the noise, so h ~ sqrt(noise) below 1 mm keeps the bias the same
+    fraction of sigma; at 1 mm and above, and with the noise unknown, the step is what it was."""
+    from tensegrity_ros.ident.refine import RefineProblem, max_step_for_noise
+    s, nominal, _, ds = pendulum_data
+    assert max_step_for_noise(2e-3, None) == max_step_for_noise(2e-3, 5e-3) == 2e-3
+    assert max_step_for_noise(2e-3, 0.25e-3) == pytest.approx(1e-3)
+    h = {noise: RefineProblem(s, [ds], nominal, RefineOptions(kinds=("stiffness",), window_s=0.2, noise_std_m=noise,
+                                                              max_sim_dt=ds.dt)).sim_dt
+         for noise in (None, 1e-3, 0.04e-3)}
+    assert h[None] == h[1e-3]
+    assert h[0.04e-3] <= max_step_for_noise(ds.dt, 0.04e-3) + 1e-12 < h[None]        # 1/5 of the step at most

@@ -803,9 +803,8 @@ def regress(structure: Structure, data: Union[Dataset, Sequence[Dataset]], prior
                     ratios[f"{name}/{ref}"] = (estimates[name] / ref_val, std[name] / ref_val)
         non_ident.insert(0, "scale (gauge): multiplying every mass, stiffness and damping by the same factor leaves "
                             "the motion unchanged; only ratios are identifiable (" + gauge + ")")
-        notes.append("only ratios identifiable: " + ", ".join(
-            f"{k} = {v:.6g} +- {s:.2g}" for k, (v, s) in list(ratios.items())[:12]) +
-            (" ..." if len(ratios) > 12 else ""))
+        # the ratios themselves are in ``ratios`` (identify prints them, and drops them when stage 2's weighed
+        # masses fix the scale); a note repeating them outlived stage 2 and contradicted its absolute values
     for name in unexcited:
         if name in std:
             std[name] = float("inf")   # the data do not determine it (kept at the prior value)
