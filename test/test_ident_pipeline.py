@@ -117,3 +117,27 @@ def test_a_rung_too_long_for_the_recording_is_skipped_with_a_note(noisy):
     assert any("5-s rung (and any longer) skipped" in n for n in res.notes), res.notes
     assert any("continued on 0.6-s windows" in n for n in res.notes), res.notes
     assert float(res.values()["s1.stiffness"]) == pytest.approx(200.0, rel=0.02)
+
+
+def test_a_window_the_model_cannot_follow_is_set_aside(noisy):
+    """One window fitted far worse than the others (here a 6-mm, 10-Hz wobble of the free nodes for 0.3 s, which no
+    parameter explains; on the generality icosahedron, a 1-s window starting one sample after the record's start:
+    4.4 mm against 1.8 mm) is set aside and its rung refitted without it, with a note, so that it does not decide
+    the model check and the covariance. A recording without one is left as it was (the suite, seed 0)."""
+    from tensegrity_ros.ident.pipeline import outlying_windows
+    s, p, _, ds = noisy
+    X = ds.positions.copy()
+    k = np.arange(120, 151)
+    X[k, 4:, 0] += 6e-3 * np.sin(2 * np.pi * 10.0 * (ds.times[k] - ds.times[120]))[:, None]
+    wobbly = make_dataset(ds.times, X, None, ds.motor_angles)
+    opts = IdentifyOptions.from_flat(known={"rod.mass": 1.0}, window_s=0.3, max_windows=9, max_iter=6,
+                                     longer_windows=(), noise_std_m=1e-3, heldout_check=False)
+    res = identify(s, wobbly, stages=("refine",), options=opts)
+    assert res.ok, res.error
+    notes = [n for n in res.notes if "set aside" in n]
+    assert len(notes) == 1 and notes[0].startswith("1 0.3-s window(s)"), res.notes
+    assert all(not (s0 <= 135 <= s0 + res.refinement.problem.H) for _, s0 in res.refinement.problem.window_ids)
+    assert outlying_windows(res.refinement)[0] == []
+    clean = identify(s, ds, stages=("refine",), options=opts)
+    assert not any("set aside" in n for n in clean.notes)
+    assert res.values()["s1.stiffness"] == pytest.approx(clean.values()["s1.stiffness"], rel=0.02)
