@@ -131,7 +131,8 @@ def test_a_window_the_model_cannot_follow_is_set_aside(noisy):
     X[k, 4:, 0] += 6e-3 * np.sin(2 * np.pi * 10.0 * (ds.times[k] - ds.times[120]))[:, None]
     wobbly = make_dataset(ds.times, X, None, ds.motor_angles)
     opts = IdentifyOptions.from_flat(known={"rod.mass": 1.0}, window_s=0.3, max_windows=9, max_iter=6,
-                                     longer_windows=(), noise_std_m=1e-3, heldout_check=False)
+                                     longer_windows=(), noise_std_m=1e-3, heldout_check=False,
+                                     set_aside_outlying=True)
     res = identify(s, wobbly, stages=("refine",), options=opts)
     assert res.ok, res.error
     notes = [n for n in res.notes if "set aside" in n]
@@ -141,3 +142,5 @@ def test_a_window_the_model_cannot_follow_is_set_aside(noisy):
     clean = identify(s, ds, stages=("refine",), options=opts)
     assert not any("set aside" in n for n in clean.notes)
     assert res.values()["s1.stiffness"] == pytest.approx(clean.values()["s1.stiffness"], rel=0.02)
+    kept = identify(s, wobbly, stages=("refine",), options=opts.with_flat(set_aside_outlying=False))
+    assert not any("set aside" in n for n in kept.notes)          # the library's default: off (online updates)

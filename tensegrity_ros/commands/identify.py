@@ -190,7 +190,8 @@ def run(args) -> int:
                                         noise_std_m=noise_mm * 1e-3, prior_std=prior_std, longer_windows=longer,
                                         device=args.device, workers=workers, heldout_check=holdout > 0,
                                         heldout_fraction=holdout or 0.1,
-                                        law_check=args.law_check and "refine" in stages)
+                                        law_check=args.law_check and "refine" in stages,
+                                        set_aside_outlying=True)
     iters = args.max_iter + sum(it for _, _, it in longer)
     with progress_bar(iters if "refine" in stages else 1, "identifying") as bar:
         last = {"iteration": None}

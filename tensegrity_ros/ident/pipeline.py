@@ -138,6 +138,9 @@ class IdentifyOptions:
         law predicts the recording better, by more than ``law_margin_sigma`` standard errors
         (``IdentificationResult.string_law``; :mod:`.lawcheck`). Off by default here (it costs a refit of the last
         rung); ``tensegrity identify`` turns it on for structures with actuated strings.
+    set_aside_outlying: after the last rung, set aside the windows fitted far worse than the others
+        (:func:`outlying_windows`) and refit that rung without them. Off by default here (the online identifier's
+        four short windows are judged by its held-out test instead); ``tensegrity identify`` turns it on.
     """
 
     backend: str = "nodal"
@@ -166,6 +169,7 @@ class IdentifyOptions:
     prior_dominated_ratio: Optional[float] = 0.9
     law_check: bool = False
     law_margin_sigma: float = 3.0
+    set_aside_outlying: bool = False
 
     @classmethod
     def from_flat(cls, **flat) -> "IdentifyOptions":
@@ -622,7 +626,8 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                     notes.append(f"stage 2 continued on {ws:g}-s windows from the {fopts.window_s:g}-s result")
                     fopts, ref = next_opts, nxt
                     stage_fits.append((float(ws), ref))
-                bad, med = outlying_windows(ref) if _finite(ref.params) and math.isfinite(ref.loss) else ([], 0.0)
+                fitted = opts.set_aside_outlying and _finite(ref.params) and math.isfinite(ref.loss)
+                bad, med = outlying_windows(ref) if fitted else ([], 0.0)
                 if bad:
                     # set them aside and refit the last rung from its result, so that they do not decide the
                     # model check and the covariance
