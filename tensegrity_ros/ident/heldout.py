@@ -29,7 +29,7 @@ from ..model import Structure
 from ..param_names import RELATIVE_KINDS, kind_of
 from .data import Dataset
 from .errors import IdentificationError
-from .refine import RefineOptions, RefineProblem
+from .refine import RefineOptions, RefineProblem, without_windows
 
 __all__ = ["HeldOutCheck", "reserve_held_out", "compare_on_held_out", "prior_dominated", "prior_std_of",
            "fitted_start_mse", "paired_log_ratio", "paired_verdict"]
@@ -90,10 +90,7 @@ def reserve_held_out(structure: Structure, datasets: Sequence[Dataset], start: P
         return list(datasets), None
     pick = np.unique(np.linspace(0, cand.B_win - 1, n + 2).round().astype(int)[1:-1]).tolist()
     held = cand.subset(pick)
-    masks = [d.valid.copy() for d in datasets]
-    for di, s in held.window_ids:
-        masks[di][s:s + held.H + 1] = False
-    return [dataclasses.replace(d, valid=m) for d, m in zip(datasets, masks)], held
+    return without_windows(datasets, held), held
 
 
 def compare_on_held_out(prob: Optional[RefineProblem], fit: Params, prior: Params, *, fit_delay_s: float = 0.0,

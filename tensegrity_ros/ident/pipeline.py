@@ -29,7 +29,7 @@ from .errors import DataError, DivergenceError, IdentificationError, NotEnoughDa
 from .heldout import HeldOutCheck, compare_on_held_out, prior_dominated, reserve_held_out
 from .lawcheck import LawCheck, check_string_law, widen
 from .mismatch import MismatchOptions, ModelMismatch, check_model
-from .refine import RefineOptions, RefineProblem, RefineResult, refine
+from .refine import RefineOptions, RefineProblem, RefineResult, refine, without_windows
 from .regression import RegressionOptions, RegressionResult, regress
 
 __all__ = ["IdentifyOptions", "IdentificationResult", "identify", "STAGES", "structure_prior_std", "rung_windows"]
@@ -432,8 +432,7 @@ OUTLYING_WINDOW_FACTOR = 2.0
 def outlying_windows(ref: RefineResult,
                      factor: float = OUTLYING_WINDOW_FACTOR) -> Tuple[List[Tuple[int, float]], float]:
     """([(window index, its residual RMS in m)], the median window's RMS in m): the windows of ``ref`` fitted far
-    worse than the others: RMS
-    above ``factor`` x the median window's and above it by half the loss's noise. One such window carries its
+    worse than the others, RMS above ``factor`` x the median window's and above it by half the loss's noise. One such window carries its
     structured misfit into the model check and the covariance (measured: the icosahedron's first 1-s window,
     started one sample after the record's start, 4.4 mm against 1.76-1.85 mm for the other ten; the model check
     flagged the whole fit)."""
@@ -446,15 +445,6 @@ def outlying_windows(ref: RefineResult,
     floor = 0.5 * ref.problem.opts.loss_noise_std_m
     idx = np.flatnonzero(ok)
     return [(int(b), float(v)) for b, v in zip(idx, rms) if v > factor * med and v - med > floor], med
-
-
-def _without_windows(datasets: Sequence[Dataset], prob, windows: Sequence[int]) -> List[Dataset]:
-    """Copies of ``datasets`` with the samples of ``prob``'s windows ``windows`` marked invalid."""
-    masks = [d.valid.copy() for d in datasets]
-    for b in windows:
-        di, s0 = prob.window_ids[b]
-        masks[di][s0:s0 + prob.H + 1] = False
-    return [dataclasses.replace(d, valid=m) for d, m in zip(datasets, masks)]
 
 
 def recording_residuals(ref: RefineResult, datasets: Sequence[Dataset]) -> List[Dict[str, Any]]:
@@ -631,7 +621,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                 if bad:
                     # set them aside and refit the last rung from its result, so that they do not decide the
                     # model check and the covariance
-                    datasets = _without_windows(datasets, ref.problem, [b for b, _ in bad])
+                    datasets = without_windows(datasets, ref.problem, [b for b, _ in bad])
                     again_opts = dataclasses.replace(fopts, delay_s=ref.delay_s, prior_center=centre)
                     try:
                         again = refine(structure, datasets, ref.params, again_opts, backend=opts.backend,

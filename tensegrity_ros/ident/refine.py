@@ -72,6 +72,16 @@ def max_step_for_noise(max_sim_dt: float, noise_std_m: Optional[float]) -> float
     return max_sim_dt * min(1.0, math.sqrt(noise_std_m / STEP_REFERENCE_NOISE_M))
 
 
+def without_windows(datasets: Sequence[Dataset], prob: "RefineProblem",
+                    windows: Optional[Sequence[int]] = None) -> List[Dataset]:
+    """Copies of ``datasets`` (the ones ``prob`` was cut from) with the samples of ``prob``'s windows ``windows``
+    (default: all of them) marked invalid, so that no window cut from the copies sees them."""
+    masks = [d.valid.copy() for d in datasets]
+    for di, s0 in prob.window_ids if windows is None else [prob.window_ids[b] for b in windows]:
+        masks[di][s0:s0 + prob.H + 1] = False
+    return [dataclasses.replace(d, valid=m) for d, m in zip(datasets, masks)]
+
+
 #: Jacobian methods of the Gauss-Newton refinement (``RefineOptions.jacobian``)
 JACOBIANS = ("auto", "tangent", "central", "forward", "forward_ad")
 DELAY_UNIT_S = 0.01
