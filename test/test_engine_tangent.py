@@ -88,6 +88,36 @@ def test_stage2_tangent_jacobian_equals_dual_numbers():
     assert float(Jw2[..., -1].abs().max()) > 1e-4                           # the delay column is live
 
 
+def test_float32_tangents_and_starts_only_blocks():
+    """What Levenberg-Marquardt and the window starts' fits take (RefineOptions.tangent_dtype, starts_only): the
+    float32 tangent's blocks within 1e-4 of float64's, returned in the problem's dtype; the starts-only call gives
+    the same J_e to round-off and no parameter columns."""
+    s = actuated_pendulum()
+    p = params_from_structure(s)
+    X0, V0 = random_initial_state(s, np.random.default_rng(0))
+    ds = simulate_dataset(s, p, X0, V0, dt=1e-3, steps=600, every=8, motor_fn=pendulum_drive, motor_delay_s=0.02)
+    ds = add_marker_noise(ds, 1e-3, np.random.default_rng(1))
+    opts = RefineOptions(kinds=("stiffness", "damping", "rest_length", "mass", "spool_radius"), window_s=0.2,
+                         max_windows=3, estimate_delay=True, delay_s=0.01, smooth_window_s=0.05)
+    prob = RF.RefineProblem(s, [ds], p, opts)
+    w = prob.initial_w(0.01) + 0.1 * torch.randn(prob.n_w, generator=torch.Generator().manual_seed(2),
+                                                  dtype=torch.float64)
+    x0 = 0.5 * torch.randn(prob.B_win, 2, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    r64, Jw64, Je64 = prob.jacobian_blocks(w, x0, "tangent")
+    r32, Jw32, Je32 = prob.jacobian_blocks(w, x0, "tangent", torch.float32)
+    torch.testing.assert_close(r32, r64, rtol=0, atol=1e-13)                 # the primal stays float64
+    for J32, J64 in ((Jw32, Jw64), (Je32, Je64)):
+        assert J32.dtype == torch.float64
+        rel = (J32 - J64).norm(dim=(0, 1)) / J64.norm(dim=(0, 1)).clamp_min(1e-30)
+        assert 0 < float(rel.max()) < 1e-4, rel                              # float32, and close
+    rs, Jws, Jes = prob.jacobian_blocks(w, x0, "tangent", None, True)
+    assert Jws.shape == (*Jw64.shape[:2], 0)
+    torch.testing.assert_close(rs, r64, rtol=0, atol=0)
+    torch.testing.assert_close(Jes, Je64, rtol=1e-10, atol=1e-13)
+    with pytest.raises(ValueError, match="starts_only needs"):
+        prob.jacobian_blocks(w, None, "tangent", None, True)
+
+
 def test_auto_jacobian_falls_back_where_there_is_no_tangent_model():
     assert tangent.supports(make_engine(MANIPULATOR))
     assert not tangent.supports(make_engine(MANIPULATOR, integrator="rk4"))

@@ -154,3 +154,28 @@ def test_quieter_data_get_shorter_engine_steps(pendulum_data):
          for noise in (None, 1e-3, 0.04e-3)}
     assert h[None] == h[1e-3]
     assert h[0.04e-3] <= max_step_for_noise(ds.dt, 0.04e-3) + 1e-12 < h[None]        # 1/5 of the step at most
+
+
+def test_levenberg_marquardt_stops_once_within_chi2_of_the_minimum(pendulum_data):
+    """With a stated noise, Levenberg-Marquardt stops once an iteration lowers chi^2 by less than converged_chi2
+    and the geometric tail of its decreases is below it too (RefineOptions.converged_chi2): in fewer iterations
+    than the strict stop, at a loss within converged_chi2 of the strict one."""
+    import dataclasses
+
+    from tensegrity_ros.ident import add_marker_noise
+    from tensegrity_ros.ident.refine import _within_chi2_of_minimum
+    assert not _within_chi2_of_minimum([100.0], 0.25)            # one iteration: no rate yet
+    assert _within_chi2_of_minimum([4.0, 0.2], 0.25)             # rate 0.05: the tail is 0.01
+    assert not _within_chi2_of_minimum([0.22, 0.2], 0.25)        # rate 0.91: a slow crawl, tail 2.0, goes on
+    assert not _within_chi2_of_minimum([0.1, 0.2], 0.25)         # decreases growing
+    assert not _within_chi2_of_minimum([4.0, 0.3], 0.25)         # the last decrease itself too large
+    assert not _within_chi2_of_minimum([4.0, 0.2], 0.0)          # off
+    s, nominal, true, ds = pendulum_data
+    noisy = add_marker_noise(ds, 1e-3, np.random.default_rng(7))
+    opts = RefineOptions(kinds=("rest_length", "spool_radius", "stiffness"), window_s=0.3, max_iter=30,
+                         noise_std_m=1e-3, delay_s=0.02, lm_chord_steps=0)
+    runs = {tol: refine(s, noisy, nominal, dataclasses.replace(opts, converged_chi2=tol)) for tol in (0.0, 0.25)}
+    iters = {tol: max(h["iteration"] for h in r.history) for tol, r in runs.items()}
+    chi2 = {tol: r.loss * r.problem.n_obs for tol, r in runs.items()}          # loss: chi^2 / n_obs
+    assert runs[0.25].converged and iters[0.25] < iters[0.0], iters
+    assert 0.0 <= chi2[0.25] - chi2[0.0] < 0.25, chi2

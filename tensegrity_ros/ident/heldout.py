@@ -168,7 +168,8 @@ def fitted_start_mse(prob: RefineProblem, params: Params, delay_s: float = 0.0, 
     with torch.no_grad():
         cur = mse_of(x0)
         for _ in range(max(int(iterations), 0)):
-            r, _, Je = p.jacobian_blocks(w, x0)
+            # the starts' columns alone (the parameters are held), in the fit's tangent precision
+            r, _, Je = p.jacobian_blocks(w, x0, "auto", p.opts.tangent_dtype, True)
             r = torch.nan_to_num(r, nan=0.0, posinf=0.0, neginf=0.0)
             step = torch.stack([torch.linalg.pinv(Je[k], rtol=X0_RCOND) @ r[k] for k in range(p.B_win)]
                                ).reshape(x0.shape)

@@ -69,10 +69,22 @@ def can_fork(device) -> bool:
             and not multiprocessing.current_process().daemon)        # a daemonic process may not have children
 
 
+def _import_lazy_torch_modules() -> None:
+    """Import, in the parent, the torch modules that the windows' code imports on its first call, so that every
+    forked worker inherits them. Left to the workers, each imported them afresh: torch._dynamo (first call of a
+    ``_disable_dynamo``-wrapped op) and the forward-mode decompositions took 1.4-2.1 s per worker, and identify
+    forks two workers per ladder rung and per check (py-spy, the README's 16-s bag: ~20 s of CPU, ~10 s of wall
+    time on 2 cores)."""
+    import torch._dynamo  # noqa: F401
+    from torch.autograd import forward_ad
+    getattr(forward_ad, "_maybe_load_decompositions", lambda: None)()      # private: absent in another torch
+
+
 class WindowWorkers:
     """``n`` forked processes, each evaluating a fixed contiguous share of ``problem``'s windows."""
 
     def __init__(self, problem, n: int):
+        _import_lazy_torch_modules()
         self.problem = problem
         self.shares = [a.tolist() for a in np.array_split(np.arange(problem.B_win), n)]
         self.failure: Optional[str] = None
