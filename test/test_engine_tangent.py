@@ -62,22 +62,29 @@ def test_rollout_tangents_are_the_engines_jacobian(projection_iters):
     assert Jz.abs().max() > 1e-6 and Jx.abs().max() > 0.5                   # not trivially zero
 
 
-def test_stage2_tangent_jacobian_equals_dual_numbers():
-    """The refinement's Jacobian blocks (parameters, the motor delay, window starts) from the tangent model
-    equal the exact dual-number copies, on the actuated pendulum with noisy starts (so the start projection
-    and the delay's input tangent are exercised)."""
+def _noisy_pendulum_problem(window_s: float):
+    """Stage 2's problem on the actuated pendulum with noisy starts (3 windows; every kind, the spool radii and the
+    delay free), and a point (w, x0) off its start."""
     s = actuated_pendulum()
     p = params_from_structure(s)
     X0, V0 = random_initial_state(s, np.random.default_rng(0))
     ds = simulate_dataset(s, p, X0, V0, dt=1e-3, steps=600, every=8, motor_fn=pendulum_drive, motor_delay_s=0.02)
     ds = add_marker_noise(ds, 1e-3, np.random.default_rng(1))
-    opts = RefineOptions(kinds=("stiffness", "damping", "rest_length", "mass", "spool_radius"), window_s=0.1,
+    opts = RefineOptions(kinds=("stiffness", "damping", "rest_length", "mass", "spool_radius"), window_s=window_s,
                          max_windows=3, estimate_delay=True, delay_s=0.01, smooth_window_s=0.05)
     prob = RF.RefineProblem(s, [ds], p, opts)
-    assert prob.jacobian_method() == "tangent"
     w = prob.initial_w(0.01) + 0.1 * torch.randn(prob.n_w, generator=torch.Generator().manual_seed(2),
                                                   dtype=torch.float64)
     x0 = 0.5 * torch.randn(prob.B_win, 2, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    return prob, w, x0
+
+
+def test_stage2_tangent_jacobian_equals_dual_numbers():
+    """The refinement's Jacobian blocks (parameters, the motor delay, window starts) from the tangent model
+    equal the exact dual-number copies, on the actuated pendulum with noisy starts (so the start projection
+    and the delay's input tangent are exercised)."""
+    prob, w, x0 = _noisy_pendulum_problem(window_s=0.1)
+    assert prob.jacobian_method() == "tangent"
     r1, Jw1, Je1 = prob.jacobian_blocks(w, x0, "tangent")
     r2, Jw2, Je2 = prob.jacobian_blocks(w, x0, "forward_ad")
     torch.testing.assert_close(r1, r2, rtol=0, atol=1e-13)
@@ -92,17 +99,7 @@ def test_float32_tangents_and_starts_only_blocks():
     """What Levenberg-Marquardt and the window starts' fits take (RefineOptions.tangent_dtype, starts_only): the
     float32 tangent's blocks within 1e-4 of float64's, returned in the problem's dtype; the starts-only call gives
     the same J_e to round-off and no parameter columns."""
-    s = actuated_pendulum()
-    p = params_from_structure(s)
-    X0, V0 = random_initial_state(s, np.random.default_rng(0))
-    ds = simulate_dataset(s, p, X0, V0, dt=1e-3, steps=600, every=8, motor_fn=pendulum_drive, motor_delay_s=0.02)
-    ds = add_marker_noise(ds, 1e-3, np.random.default_rng(1))
-    opts = RefineOptions(kinds=("stiffness", "damping", "rest_length", "mass", "spool_radius"), window_s=0.2,
-                         max_windows=3, estimate_delay=True, delay_s=0.01, smooth_window_s=0.05)
-    prob = RF.RefineProblem(s, [ds], p, opts)
-    w = prob.initial_w(0.01) + 0.1 * torch.randn(prob.n_w, generator=torch.Generator().manual_seed(2),
-                                                  dtype=torch.float64)
-    x0 = 0.5 * torch.randn(prob.B_win, 2, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    prob, w, x0 = _noisy_pendulum_problem(window_s=0.2)
     r64, Jw64, Je64 = prob.jacobian_blocks(w, x0, "tangent")
     r32, Jw32, Je32 = prob.jacobian_blocks(w, x0, "tangent", torch.float32)
     torch.testing.assert_close(r32, r64, rtol=0, atol=1e-13)                 # the primal stays float64

@@ -157,9 +157,9 @@ def test_quieter_data_get_shorter_engine_steps(pendulum_data):
 
 
 def test_levenberg_marquardt_stops_once_within_chi2_of_the_minimum(pendulum_data):
-    """With a stated noise, Levenberg-Marquardt stops once an iteration lowers chi^2 by less than converged_chi2
-    and the geometric tail of its decreases is below it too (RefineOptions.converged_chi2): in fewer iterations
-    than the strict stop, at a loss within converged_chi2 of the strict one."""
+    """Levenberg-Marquardt stops once an iteration lowers chi^2 by less than converged_chi2 and the geometric tail
+    of its decreases is below it too (RefineOptions.converged_chi2): in fewer iterations than the strict stop, at a
+    loss within converged_chi2 of the strict one."""
     import dataclasses
 
     from tensegrity_ros.ident import add_marker_noise
@@ -179,3 +179,6 @@ def test_levenberg_marquardt_stops_once_within_chi2_of_the_minimum(pendulum_data
     chi2 = {tol: r.loss * r.problem.n_obs for tol, r in runs.items()}          # loss: chi^2 / n_obs
     assert runs[0.25].converged and iters[0.25] < iters[0.0], iters
     assert 0.0 <= chi2[0.25] - chi2[0.0] < 0.25, chi2
+    # a noise stated 10x too large does not loosen the stop: chi^2 is counted in the residuals' own mean square
+    loose = refine(s, noisy, nominal, dataclasses.replace(opts, noise_std_m=1e-2))
+    assert max(h["iteration"] for h in loose.history) == iters[0.25]

@@ -147,14 +147,15 @@ class RefineOptions:
         stall_evaluations / stall_tolerance / stall_chi2: stop (converged) after this many evaluations
         without an improvement of the best loss by more than stall_tolerance (relative) and more than a
         chi^2 change of stall_chi2 (i.e. stall_chi2 / (3 n_obs) in the normalised loss).
-        converged_chi2: Levenberg-Marquardt also stops (converged) once an iteration lowers chi^2 (the loss in
-        units of the stated ``noise_std_m``, prior included) by less than this, and the geometric tail of its
+        converged_chi2: Levenberg-Marquardt also stops (converged) once an iteration lowers chi^2 (the loss,
+        prior included, in units of the noise variance) by less than this, and the geometric tail of its
         decreases (the last one times rho / (1 - rho), rho the ratio of the last two) is below it too: the loss
         is then within ~converged_chi2 of its minimum, so the estimate is within sqrt(converged_chi2) standard
-        deviations of the optimum along any direction (Mahalanobis), 0.5 sigma for 0.25. Only with a stated
-        noise (without one chi^2 has no scale); 0: off. Measured on the README's 16-s manipulator bag: the
-        last rung's iterations 9 and 10 lowered chi^2 by 0.02 and 0.01 and moved no parameter by more than
-        0.003 sigma, at ~11 s each.
+        deviations of the optimum along any direction (Mahalanobis), 0.5 sigma for 0.25. The unit is the smaller
+        of the stated noise's variance and the residuals' own mean square, so a noise stated too large (or none)
+        never loosens the stop; noise-free data never stop on it. 0: off. Measured on the README's 16-s
+        manipulator bag: the last rung's iterations 9 and 10 lowered chi^2 by 0.02 and 0.01 and moved no
+        parameter by more than 0.003 sigma, at ~11 s each.
         tangent_dtype: dtype of the tangent-linear model behind Levenberg-Marquardt's Jacobians (and the window
         starts' fits of :func:`~.heldout.fitted_start_mse`); the residuals stay in ``dtype``, and the covariance
         always uses ``dtype``. None (default): ``dtype``. ``torch.float32``: 26 % less time per Jacobian on the
@@ -1155,7 +1156,7 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
     with Marquardt damping lambda diag(H). After each accepted step up to ``lm_chord_steps`` chord steps reuse
     the factorised equations with fresh residuals (a rollout each, not a Jacobian). Returns True when converged
     (the loss stopped decreasing by more than ``stall_tolerance`` (relative) or a chi^2 of ``stall_chi2 * 1e-2``,
-    or, with a stated noise, by ``converged_chi2``: see :class:`RefineOptions`). The Jacobians are taken in
+    or by ``converged_chi2`` in chi^2: see :class:`RefineOptions`). The Jacobians are taken in
     ``opts.tangent_dtype``.
     """
     sig2 = opts.loss_noise_std_m ** 2
@@ -1203,7 +1204,7 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
         Hp = sig2 * (KB.T @ (prob.prior_prec[:, None] * KB))
         gp0 = sig2 * (KB.T @ (prob.prior_prec * prob.prior_offset))
     lam = opts.lm_lambda
-    chi2_gains: List[float] = []          # each iteration's decrease of chi^2 (units of the stated noise)
+    chi2_gains: List[float] = []          # each iteration's decrease of chi^2 (see converged_chi2 for the unit)
     f, r = f_of(w.detach(), None if x0 is None else x0.detach())
     if not math.isfinite(f):
         raise DivergenceError("refine: non-finite loss at the starting point (poisoned data or an unstable "
@@ -1276,8 +1277,9 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
             gain = step_gain
         if f_start - f <= max(opts.stall_tolerance * f, 1e-2 * opts.stall_chi2 * sig2):
             return True
-        chi2_gains.append((f_start - f) / sig2)
-        if opts.noise_std_m is not None and _within_chi2_of_minimum(chi2_gains, opts.converged_chi2):
+        ms = float((r * r).sum()) / max(3 * prob.n_obs, 1)                 # the residuals' own mean square
+        chi2_gains.append((f_start - f) / min(sig2, ms) if ms > 0 else math.inf)
+        if _within_chi2_of_minimum(chi2_gains, opts.converged_chi2):
             return True
     return False
 
