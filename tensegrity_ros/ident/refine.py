@@ -1277,7 +1277,7 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
             gain = step_gain
         if f_start - f <= max(opts.stall_tolerance * f, 1e-2 * opts.stall_chi2 * sig2):
             return True
-        ms = float((r * r).sum()) / max(3 * prob.n_obs, 1)                 # the residuals' own mean square
+        ms = prob.residual_rms(r) ** 2 / 3.0                      # the residuals' own mean square per coordinate
         chi2_gains.append((f_start - f) / min(sig2, ms) if ms > 0 else math.inf)
         if _within_chi2_of_minimum(chi2_gains, opts.converged_chi2):
             return True
