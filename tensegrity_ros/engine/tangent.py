@@ -275,6 +275,28 @@ def _step(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], mt: Opt
     return Q, V, Phi, Psi
 
 
+def step_jacobians(c: NodalConstants, der: Derived, Q, V, u, ud, h: float, opts: Options):
+    """The exact Jacobians of ONE engine step (``nodal.step_reduced``, semi-implicit) at B points, in column form:
+    [Q1; V1] = A [Q; V] + B u to first order, states vec'd coordinate-major as the engine holds them ((3, nf) ->
+    3 nf: x, y, z rows of every free node). Q, V (B, 3, nf); u, ud (B, A) or None (held over the step, as the
+    engine holds them). Returns A (B, 2n, 2n) and B (B, 2n, A) (None without actuators).
+
+    What the predictor and the controller linearise about their nominals: one pass of :func:`_step` with the
+    motor angles as its parameter directions (dxi0 = Y du), the same algebra the identification's tangents use,
+    instead of forward-mode AD through the step (114 dual copies of the manipulator's step: ~8x the time)."""
+    dth = mt = du = None
+    A_ = 0 if u is None else u.shape[-1]
+    if A_:
+        S_, nb = der.EA.shape[-1], c.E_q.shape[0]
+        z = lambda *shape: Q.new_zeros(*shape)      # noqa: E731  the parameters themselves do not move
+        dth = ParamTangents(EA=z(S_, A_), zeta=z(S_, A_), xi00=z(S_, A_), Y=z(S_, A_, A_), z=z(A_, A_),
+                            mass=z(nb, A_), kc=z(S_, A_))
+        mt = _mass_tangents(c, der, dth)
+        du = torch.eye(A_, dtype=Q.dtype, device=Q.device).expand(Q.shape[0], A_, A_)
+    _, _, Phi, Psi = _step(c, der, dth, mt, Q, V, u, ud, du, None, None, float(h), opts, c, der)
+    return Phi.mT, (None if Psi is None else Psi.mT)
+
+
 def project_with_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], Q, V, SQ, SV,
                           iters: int):
     """:meth:`NodalEngine.project` (``iters`` times: A formed at the positions, one position step, then the
