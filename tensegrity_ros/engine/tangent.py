@@ -283,7 +283,7 @@ def step_jacobians(c: NodalConstants, der: Derived, Q, V, u, ud, h: float, opts:
 
     What the predictor and the controller linearise about their nominals: one pass of :func:`_step` with the
     motor angles as its parameter directions (dxi0 = Y du), the same algebra the identification's tangents use,
-    instead of forward-mode AD through the step (114 dual copies of the manipulator's step: ~8x the time)."""
+    instead of forward-mode AD through the step (114 dual copies of the manipulator's step: ~7x the time)."""
     dth = mt = du = None
     A_ = 0 if u is None else u.shape[-1]
     if A_:

@@ -3,9 +3,10 @@
 How it stays fast (p50 < 5 ms for a 1-s horizon on CPU): a worker (:mod:`.jobs`) rolls the nonlinear engine's
 model (the MuJoCo twin of the current parameters, or ``tensegrity_ros.engine``) out from a recent measured state
 over the horizon plus a margin (the *nominal*), and takes the Jacobians A_k = dx_{k+1}/dx_k, B_k = dx_{k+1}/du_k
-of one engine step along it from the engine's tangent-linear model (``engine.tangent.step_jacobians``; forward-mode
-autograd for the integrators it does not cover), every ``jac_stride`` steps, interpolated in between). Each node-state message then only propagates its deviation from the nominal
-through the linear time-varying model, ``x_{k+1} = xbar_{k+1} + A_k (x_k - xbar_k) + B_k (u_k - ubar_k)``: 100
+of one engine step along it from the engine's tangent-linear model (``engine.tangent.step_jacobians``;
+forward-mode autograd for the integrators it does not cover), every ``jac_stride`` steps, interpolated in
+between. Each node-state message then only propagates its deviation from the nominal through the linear
+time-varying model, ``x_{k+1} = xbar_{k+1} + A_k (x_k - xbar_k) + B_k (u_k - ubar_k)``: 100
 in-place matrix-vector products. The deviation stays small, so the first-order correction is accurate (checked
 against full nonlinear rollouts in the tests). When and how long a nominal is computed, and what a message gets
 when the next one is late, is :class:`~.stream.PredictionStream`.
@@ -184,9 +185,9 @@ class HorizonPredictor:
     :meth:`stable_substeps`); integrator: engine integrator;
     nominal: ``twin`` (the nominal rollout runs in the MuJoCo twin built from the current parameters: same
     string law, ~15x cheaper per second of motion than the batch-1 torch engine) or ``engine`` (the torch
-    engine itself); the Jacobians always come from the engine (its tangent-linear model, else autograd). jac_stride: Jacobians every
-    jac_stride prediction steps, interpolated linearly in between; jac_chunk: Jacobian time points per
-    batched evaluation (memory bound).
+    engine itself); the Jacobians always come from the engine (its tangent-linear model, else autograd).
+    jac_stride: Jacobians every jac_stride prediction steps, interpolated linearly in between; jac_chunk:
+    Jacobian time points per batched evaluation (memory bound).
     """
 
     NOMINALS = ("twin", "engine")
@@ -283,6 +284,7 @@ class HorizonPredictor:
         torch, nf, n = self.torch, self.nf, self.n
         c = self.engine.constants
         der = prepare(c, params)
+        p = self._coordinate_major
         Js = np.empty((ks.size, n, n + self.n_u))
         for s in range(0, ks.size, self.jac_chunk):
             kk = torch.as_tensor(ks[s:s + self.jac_chunk])
@@ -296,7 +298,6 @@ class HorizonPredictor:
             with torch.no_grad():
                 Ja, Jb = tangent.step_jacobians(c, der, Q, V, u, ud, self.dt / n_sub, self.engine.options)
             # the engine's coordinate-major state vec -> the predictor's node-major one
-            p = self._coordinate_major
             Js[s:s + B, :, :n] = Ja[:, p][:, :, p].numpy()
             if self.n_u:
                 Js[s:s + B, :, n:] = Jb[:, p].numpy()
