@@ -125,7 +125,6 @@ class PlateControllerNode(C.GraphNode):
         self.set_id = "nominal"
         self.trajectory = None              # TargetTrajectory (latest kind of target wins)
         self._lock = threading.Lock()
-        self._cycle_lock = threading.Lock()  # a cycle against a model switch's MPC reset
         self._state = None                  # latest NodeStatesRecord
         self._angles: Optional[np.ndarray] = None
         self._plan: Optional[MotorPlan] = None
@@ -173,9 +172,7 @@ class PlateControllerNode(C.GraphNode):
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._linearizer, name="plate-controller-linearizer", daemon=True)
         self._thread.start()
-        # the cycle on its own thread, not as a timer of the executor (why: _control_loop)
-        self._control = threading.Thread(target=self._control_loop, name="plate-controller-cycle", daemon=True)
-        self._control.start()
+        self.every(p["control_period_s"], self._cycle)
         self.every(p["diagnostics_period_s"], self._diagnostics)
 
     # ---- inputs -----------------------------------------------------------------------------------------
@@ -227,8 +224,7 @@ class PlateControllerNode(C.GraphNode):
 
     def on_parameter_change(self, name, value):
         if name == "model" and value != self.p["model"]:
-            with self._cycle_lock:
-                self.mpc.reset()          # the disturbance estimate and warm start belong to the other model
+            self.mpc.reset()              # the disturbance estimate and warm start belong to the other model
             self._lin = None              # and so does the linearisation: hold until one with the new model
             self._wake.set()
         return None
@@ -297,23 +293,6 @@ class PlateControllerNode(C.GraphNode):
                 self.get_logger().error(f"linearisation failed: {e}", throttle_duration_sec=5.0)
 
     # ---- the cycle ----------------------------------------------------------------------------------------
-    def _control_loop(self) -> None:
-        """:meth:`_cycle` every ``control_period_s`` (monotonic ticks; a cycle late by whole periods skips
-        them, as a ROS timer does), on this node's own thread. As a timer of the graph's single-threaded executor
-        a cycle (7-19 ms, mostly the QP, whose solve releases the GIL) held up every other callback of the
-        process while it ran: the state predictor's per-message latency p99 was the solve's p99 plus its own,
-        21-23 ms in the closed-loop demo (threshold 20; stop 32's paired control benches)."""
-        period = self.p["control_period_s"]
-        cycle = self.guard(self._cycle, 0)
-        t_next = time.monotonic() + period
-        while not self._stop.wait(max(0.0, t_next - time.monotonic())):
-            with self._cycle_lock:
-                cycle()
-            t_next += period
-            late = time.monotonic() - t_next
-            if late > 0:
-                t_next += math.ceil(late / period) * period
-
     def _cycle(self) -> None:
         st, lin, target, traj = self._state, self._lin, self.target, self.trajectory
         if st is None or (target is None and traj is None):
@@ -401,8 +380,6 @@ class PlateControllerNode(C.GraphNode):
     def destroy_node(self):
         self._stop.set()
         self._wake.set()
-        if self._control is not threading.current_thread():
-            self._control.join(timeout=2.0)     # a cycle in flight finishes (<= one solve)
         C.stop_worker(self._pool)
         return super().destroy_node()
 
