@@ -51,3 +51,38 @@ def test_plan_violations_counts_limits_and_rates():
     # row 2: motor 0 jumps 0.495 rad in 0.01 s (rate); row 3: motor 1 jumps 2 rad (rate) and exceeds 1.5 (limit)
     assert plan_violations(a, 0.01, [-1.5, -1.5], [1.5, 1.5], max_rate=1.0) == 3
     assert plan_violations(a[:2], 0.01, [-1.5, -1.5], [1.5, 1.5], max_rate=1.0) == 0
+
+
+class _StubNode:
+    """What _quiet_background touches on a node: set_parameters and the yaml values ``p``."""
+
+    def __init__(self, worker="thread"):
+        self.p = {"worker": worker}
+        self.set = {}
+
+    def set_parameters(self, params):
+        self.set.update({q.name: q.value for q in params})
+
+
+@pytest.mark.parametrize("where", ["graph", "own_process"])
+def test_quiet_background_says_what_it_did_to_the_predictor(where, capsys):
+    """The control phases pause the identifier and slow the predictor's relinearisations; with the predictor in a
+    process of its own (--predictor-process) it cannot reach it, and the line must say so instead of claiming it."""
+    from types import SimpleNamespace
+
+    from tensegrity_ros.commands import demo_control as D
+
+    ident, pred = _StubNode(), _StubNode()
+    nodes = {"online_identifier": ident}
+    if where == "graph":
+        nodes["state_predictor"] = pred
+    graph = SimpleNamespace(nodes=nodes, predictor_proc=object() if where == "own_process" else None)
+    D._quiet_background(graph)
+    line = capsys.readouterr().err
+    assert ident.set == {"max_duty": D.PAUSED_DUTY}
+    if where == "graph":
+        assert pred.set["relinearize_period_s"] == D.CONTROL_PREDICTOR_PERIOD_S
+        assert f"relinearising every {D.CONTROL_PREDICTOR_PERIOD_S:g} s" in line
+    else:
+        assert pred.set == {}
+        assert "relinearising" not in line and "in its own process) left as it is" in line

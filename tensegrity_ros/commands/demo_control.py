@@ -260,9 +260,14 @@ def _quiet_background(graph) -> None:
         if pred.p["worker"] == "process":     # a thread worker's pid is the graph's own: leave it
             from ..workers import set_niceness
             nice = f", its worker's {set_niceness(CONTROL_PREDICTOR_NICE, pred.worker_pid)[2]}"
+    if pred is not None:
+        predictor = f"the state predictor relinearising every {CONTROL_PREDICTOR_PERIOD_S:g} s{nice}"
+    elif getattr(graph, "predictor_proc", None) is not None:   # --predictor-process: its yaml settings stay
+        predictor = "the state predictor (in its own process) left as it is"
+    else:
+        predictor = "no state predictor"
     sys.stderr.write(f"tensegrity demo --controller: for the control phases, identification paused (online "
-                     f"identifier max_duty {PAUSED_DUTY}; the identified set is frozen) and the state predictor "
-                     f"relinearising every {CONTROL_PREDICTOR_PERIOD_S:g} s{nice}\n")
+                     f"identifier max_duty {PAUSED_DUTY}; the identified set is frozen) and {predictor}\n")
 
 
 #: the rest-pose measurement: the motors held at zero this long, the plate's pose averaged over the last
