@@ -5,7 +5,7 @@
 #                build/ros/install and make them importable from .venv (plus
 #                tf2_msgs/TFMessage where no tf2_msgs is installed: step 5)
 #   make test    setup + pytest
-#   make demo    setup + `tensegrity demo`
+#   make demo    setup + `tensegrity demo` (DEMO_ARGS are passed on: make demo DEMO_ARGS=--controller)
 #   make bench   setup + bench/run_all.py
 #   make lock    re-pin requirements/lock.txt from the current .venv
 #   make clean   remove build outputs (keeps .venv);  make distclean: also .venv
@@ -232,8 +232,9 @@ TEST_TIMEOUT_S ?= 600
 test: setup
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT_S) --timeout-method=thread test
 
+DEMO_ARGS ?=
 demo: setup
-	$(VENV)/bin/tensegrity demo
+	$(VENV)/bin/tensegrity demo $(DEMO_ARGS)
 
 bench: setup
 	$(VENV)/bin/python bench/run_all.py
