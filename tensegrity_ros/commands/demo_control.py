@@ -262,7 +262,7 @@ def _quiet_background(graph) -> None:
             nice = f", its worker's {set_niceness(CONTROL_PREDICTOR_NICE, pred.worker_pid)[2]}"
     if pred is not None:
         predictor = f"the state predictor relinearising every {CONTROL_PREDICTOR_PERIOD_S:g} s{nice}"
-    elif getattr(graph, "predictor_proc", None) is not None:   # --predictor-process: its yaml settings stay
+    elif graph.predictor_proc is not None:   # --predictor-process: its yaml settings stay
         predictor = "the state predictor (in its own process) left as it is"
     else:
         predictor = "no state predictor"

@@ -249,6 +249,11 @@ class HorizonPredictor:
         return x[..., :3 * self.nf].reshape(*x.shape[:-1], self.nf, 3), \
             x[..., 3 * self.nf:].reshape(*x.shape[:-1], self.nf, 3)
 
+    def _engine_state(self, x):
+        """(B, n) predictor states (node-major, see :attr:`state_names`) -> the engine's reduced Q, V (B, 3, nf)."""
+        B, nf = x.shape[0], self.nf
+        return x[:, :3 * nf].reshape(B, nf, 3).mT, x[:, 3 * nf:].reshape(B, nf, 3).mT
+
     def _step_fn(self, params, n_sub: int):
         """``n_sub`` engine steps of dt / n_sub: f(x (B, n), u, ud (B, A) or None) -> (B, n)."""
         from ..engine.nodal import prepare, step_reduced
@@ -256,13 +261,12 @@ class HorizonPredictor:
         eng = self.engine
         c = eng.constants
         der = prepare(c, params)
-        nf, integ, opts = self.nf, eng.integrator, eng.options
+        integ, opts = eng.integrator, eng.options
         h = self.dt / n_sub
 
         def f(x, u, ud, steps: int = n_sub):
             B = x.shape[0]
-            Q = x[:, :3 * nf].reshape(B, nf, 3).mT
-            V = x[:, 3 * nf:].reshape(B, nf, 3).mT
+            Q, V = self._engine_state(x)
             for _ in range(steps):
                 Q, V = step_reduced(c, der, Q, V, u, ud, None, h, integ, opts)
             return self.torch.cat([Q.mT.reshape(B, -1), V.mT.reshape(B, -1)], dim=1)
@@ -274,14 +278,15 @@ class HorizonPredictor:
         from the engine's tangent-linear model (:func:`..engine.tangent.step_jacobians`) where it covers the
         engine's step, else by forward-mode autograd (:meth:`_substep_jacobians_ad`). The two agree to
         round-off (test_predict_jacobians.py); the tangent model took 5.8 ms where autograd took 41.7 ms for the
-        manipulator's 9 points (one thread, 2026-11-28): autograd was over half of a controller's linearisation."""
+        manipulator's 9 points (one thread, 2026-11-28): autograd was about half of a controller's linearisation
+        (79-84 ms in all)."""
         from ..engine import tangent
 
         if not tangent.supports(self.engine):
             return self._substep_jacobians_ad(params, n_sub, X, Us, Uds, ks)
         from ..engine.nodal import prepare
 
-        torch, nf, n = self.torch, self.nf, self.n
+        torch, n = self.torch, self.n
         c = self.engine.constants
         der = prepare(c, params)
         p = self._coordinate_major
@@ -289,9 +294,7 @@ class HorizonPredictor:
         for s in range(0, ks.size, self.jac_chunk):
             kk = torch.as_tensor(ks[s:s + self.jac_chunk])
             B = kk.numel()
-            x = X[kk]
-            Q = x[:, :3 * nf].reshape(B, nf, 3).mT
-            V = x[:, 3 * nf:].reshape(B, nf, 3).mT
+            Q, V = self._engine_state(X[kk])
             u = ud = None
             if self.n_u:
                 u, ud = Us[kk], Uds[kk]
