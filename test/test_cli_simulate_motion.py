@@ -30,10 +30,30 @@ def test_simulate_warns_when_nothing_deforms_the_structure(model, warned, tmp_pa
     out = tmp_path / "sim"
     assert main(["simulate", str(CONFIG_DIR / "models" / f"{model}.yaml"), "--duration", "0.5", "--settle", "0",
                  "--out", str(out)]) == 0
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     motion = json.loads((out / "summary.json").read_text())["max_internal_motion_mm"]
+    wrote = next(ln for ln in captured.out.splitlines() if ln.startswith("wrote "))
+    listed = wrote[wrote.index("(") + 1:wrote.rindex(")")].split(", ")
+    assert sorted(listed) == sorted(p.name for p in out.iterdir() if p.is_file())   # what is there, no more
     assert ("warning: the structure barely deforms" in err) == warned, err
     if warned:
         assert motion < 1.0 and "no actuators" in err and "no fixed node" in err
     else:
         assert motion > 1.0
+
+
+def test_simulate_plots_the_nodes_of_a_structure_without_plates(tmp_path, capsys):
+    """A lab's own structure (here the generality suite's prism, driven by its own reference) has none of the
+    manipulator's plates: simulate plots its moving nodes instead of writing no plot, and says what it wrote."""
+    from tensegrity_ros.validation.independent import STRUCTURES_DIR
+    ref = tmp_path / "sway.yaml"
+    ref.write_text("name: sway\nperiod_s: 1.0\nramp_in_s: 0.2\nramp_out_s: 0.2\nstart_s: 0.0\nduration_s: 1.0\n"
+                   "stages:\n  - name: verticals\n    actuators: [m1, m2]\n    amplitude_m: 0.01\n"
+                   "    phases_deg: [0.0, 180.0]\n    offsets_m: 0.0\n")
+    out = tmp_path / "sim"
+    assert main(["simulate", str(STRUCTURES_DIR / "prism4_fixed.yaml"), "--reference", str(ref), "--duration", "0.5",
+                 "--settle", "0", "--out", str(out)]) == 0
+    written = {p.name for p in out.iterdir()}
+    assert "nodes.png" in written and "plates.png" not in written
+    assert "wrote " in capsys.readouterr().out

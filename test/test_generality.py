@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import math
 
 import numpy as np
@@ -169,20 +170,20 @@ def test_capsule_inertia_formula_matches_mujoco():
 
 @pytest.fixture(scope="module")
 def identified(lab_recording, tmp_path_factory):
-    """`tensegrity identify` as a lab runs it (its rough mocap guess, --estimate-delay, its prior; one worker) on
-    the tower recording: (score against the truth, identify's console output, exit code)."""
+    """`tensegrity identify` as a lab runs it (its rough mocap guess, --estimate-delay, its prior; one worker; a
+    report) on the tower recording: (score against the truth, identify's console output, exit code, report folder)."""
     out, _ = lab_recording
     params = tmp_path_factory.mktemp("identified") / "identified.yaml"
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = main(["identify", str(out / "bag"), "--model", str(out / "nominal.yaml"), "--mocap-frame",
                    str(out / "mocap_guess.yaml"), "--out", str(params), "--noise-mm", "1", "--estimate-delay",
-                   "--prior-std", LAB_PRIOR, "--workers", "1"])
+                   "--prior-std", LAB_PRIOR, "--workers", "1", "--report", str(params.parent / "report")])
     assert params.exists(), buf.getvalue()[-2000:]
     s = score(load_structure(out / "truth.yaml"), load_structure(out / "nominal.yaml"), load_structure(params))
     print({k: (round(v["median"], 5), round(v["nominal_median"], 5), v["z_rms"]) for k, v in s["kinds"].items()},
           s["inside_2sigma"])
-    return s, buf.getvalue(), rc
+    return s, buf.getvalue(), rc, params.parent / "report"
 
 
 def test_identify_meets_item_6s_targets_on_a_labs_recording_of_the_tower(identified):
@@ -196,7 +197,7 @@ def test_identify_meets_item_6s_targets_on_a_labs_recording_of_the_tower(identif
     Damping is the narrow one: 16.1 % before the engine's steps followed a curve through the 120-Hz motor samples
     (a line cut the 9-Hz family's rates by up to 23 %); on seed 1 (bench_generality) the tower's median damping
     stays at 16.7 %, the prior's distance, so this target holds for this recording, not for every one."""
-    s, text, rc = identified
+    s, text, rc, _ = identified
     assert rc == 0 and "MODEL MISMATCH" not in text, text[-2000:]
     assert LawCheck.verdict_in(text) in ("file_law_better", "no_clear_difference")   # the check ran, file kept
     delay = [ln for ln in text.splitlines() if ln.strip().startswith("delay_s")]
@@ -208,6 +209,21 @@ def test_identify_meets_item_6s_targets_on_a_labs_recording_of_the_tower(identif
     assert s["inside_2sigma"] >= COVERAGE_TARGET
 
 
+def test_the_report_on_a_labs_robot_shows_its_nodes(lab_recording, identified):
+    """A lab's own robot has none of the manipulator's plates, and its report used to have no measured-against-
+    predicted plot at all: now `nodes.png` shows the nodes that move most; every parameter of the model is in the
+    tables, and summary.json carries the verdicts."""
+    from tensegrity_ros.engine import params_from_structure
+    out, _ = lab_recording
+    report = identified[3]
+    names = {p.name for p in report.iterdir()}
+    assert {"nodes.png", "residuals.png", "convergence.png", "parameters.csv", "summary.json"} <= names, names
+    assert "plates.png" not in names
+    listed = {row.split(",")[0] for row in (report / "parameters.csv").read_text().splitlines()[1:]}
+    assert set(params_from_structure(load_structure(out / "nominal.yaml")).named()) <= listed
+    assert "model_mismatch" in json.loads((report / "summary.json").read_text())
+
+
 def test_a_wrong_model_is_flagged_on_a_labs_recording(lab_recording, identified, tmp_path):
     """Issue 17 item 2 on the suite: the tower's structure file with one motor's direction flipped (a lab's
     wiring or sign slip) is flagged as a model mismatch, and the right file is not (the fixture above). One
@@ -217,7 +233,7 @@ def test_a_wrong_model_is_flagged_on_a_labs_recording(lab_recording, identified,
     swapped leaves the residual check unmoved on the suite (ratio 1.00-1.07): the string-law check sees it
     (the next test)."""
     out, _ = lab_recording
-    _, right_text, right_rc = identified
+    _, right_text, right_rc, _ = identified
     assert "MODEL MISMATCH" not in right_text and right_rc == 0
     nominal = load_structure(out / "nominal.yaml")
     a0 = nominal.actuators[0]

@@ -90,3 +90,50 @@ def test_parameter_rows_every_parameter_with_prior_sigma_and_error():
     assert [r["parameter"] for r in table] == list(values) and table[3]["error"] == ""
     md = rows_markdown(rows)
     assert "| s1.stiffness |  | 100 ± 40 | 110 ± 8 |" in md and "**no**" in md
+
+
+def test_residuals_are_plotted_from_the_recordings_start(drawn, tmp_path):
+    """A bag's stamps are epoch seconds: the axis starts at 0, not at 1.76e9 under an offset label."""
+    from tensegrity_ros.report import plot_residuals
+    t = 1.764e9 + np.linspace(0.0, 24.0, 100)
+    plot_residuals(t, np.ones(100), tmp_path / "r.png", label="1-s prediction node RMS error")
+    ax = drawn[0].axes[0]
+    x = ax.get_lines()[0].get_xdata()
+    assert x[0] == 0.0 and x[-1] == pytest.approx(24.0)
+    assert ax.get_xlabel() == "time from the recording's start [s]"
+
+
+def test_convergence_plot_holds_round_off_as_fixed(drawn, tmp_path):
+    """A fixed spool radius comes back through the log parametrisation 1e-16 relative off: no panel of 1e-14 %."""
+    hist = [{"s1.stiffness": 100.0 * (1 + 0.1 / (k + 1)), "m1.spool_radius": 0.012 * (1 + (k % 2) * 2e-16)}
+            for k in range(4)]
+    plot_convergence(hist, tmp_path / "c.png")
+    titles = [ax.get_title(loc="left") for ax in drawn[0].axes]
+    assert any(t.startswith("stiffness") for t in titles) and not any(t.startswith("spool_radius") for t in titles)
+    assert "held fixed (not estimated): 1 spool_radius" in drawn[0]._suptitle.get_text()
+
+
+def test_node_plot_shows_the_most_moving_free_nodes_from_their_start(drawn, tmp_path):
+    from tensegrity_ros.report import moving_nodes, plot_node_motion
+    names = ("b1", "b2", "t1", "t2", "t3")
+    T = 60
+    t = 1.764e9 + np.linspace(0, 2, T)
+    pos = np.zeros((T, 5, 3)) + np.array([0.3, -0.2, 1.0])
+    pos[:, 0, 0] += 0.05 * np.sin(t - t[0])              # b1 moves most, but it is fixed
+    pos[:, 2, 2] += 0.004 * np.sin(3 * (t - t[0]))       # t1: 8 mm
+    pos[:, 4, 1] += 0.001 * np.sin(3 * (t - t[0]))       # t3: 2 mm; t2 does not move
+    pos[0, 2] = np.nan                                    # t1's first sample occluded
+    shown = moving_nodes(names, pos, fixed=("b1", "b2"), most=2)
+    assert shown == [2, 4]
+    plot_node_motion(t, {"measured": pos, "predicted": pos + 0.001}, names, shown, tmp_path / "n.png", title="x")
+    axes = drawn[0].axes
+    assert [ax.get_title(loc="left").split(":")[0] for ax in axes] == ["node t1", "node t3"]
+    lines = axes[0].get_lines()
+    assert lines[0].get_xdata()[0] == 0.0 and lines[0].get_xdata()[-1] == pytest.approx(2.0)
+    z = 1e3 * 0.004 * np.sin(3 * (t - t[0]))
+    assert lines[2].get_ydata()[1] == 0.0                  # z from its first measured sample
+    assert lines[2].get_ydata()[5] == pytest.approx(z[5] - z[1])
+    assert lines[3].get_ydata()[1] == pytest.approx(1.0)   # the prediction's 1-mm offset stays visible
+    assert axes[-1].get_xlabel() == "time from the recording's start [s]" and axes[0].get_ylabel() == "[mm]"
+    assert moving_nodes(names, pos, fixed=names) == []
+    assert plot_node_motion(t, {"measured": pos}, names, [], tmp_path / "none.png") is None

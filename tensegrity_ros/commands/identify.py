@@ -485,8 +485,8 @@ def _report(tmp: Path, structure, identified, recs, datasets, result, *, prior_s
     from ..ident.heldout import prior_std_of
     from ..ident.pipeline import structure_prior_std
     from ..metrics import rms_error
-    from ..report import (parameter_rows, plate_motion, plot_convergence, plot_plate_motion, plot_residuals,
-                          rows_csv, rows_markdown, rows_text)
+    from ..report import (moving_nodes, parameter_rows, plate_motion, plot_convergence, plot_node_motion,
+                          plot_plate_motion, plot_residuals, rows_csv, rows_markdown, rows_text)
     from ..report.prediction import horizon_prediction
 
     several = len(datasets) > 1
@@ -500,11 +500,16 @@ def _report(tmp: Path, structure, identified, recs, datasets, result, *, prior_s
         pred = horizon_prediction(identified, dataset, horizon_s=1.0)
         measured = plate_motion(structure.node_names, dataset.positions)
         predicted = plate_motion(structure.node_names, pred)
-        plot_plate_motion(dataset.times, {"measured": (dataset.times, measured),
-                                          "predicted 1 s ahead": (dataset.times, predicted)},
-                          tmp / (f"plates-{k + 1}.png" if several else "plates.png"), relative_to_start=True,
-                          title=f"{structure.name}, {rec.path if several else Path(rec.path).name}: measured vs the identified model "
-                                "(restarted from the measurement every 1 s)")
+        t_rel = dataset.times - dataset.times[0]              # a bag's stamps are epoch seconds
+        suffix = f"-{k + 1}" if several else ""
+        head = (f"{structure.name}, {rec.path if several else Path(rec.path).name}: measured vs the identified "
+                "model (restarted from the measurement every 1 s)")
+        if not plot_plate_motion(t_rel, {"measured": (t_rel, measured), "predicted 1 s ahead": (t_rel, predicted)},
+                                 tmp / f"plates{suffix}.png", relative_to_start=True, title=head):
+            # a structure without the manipulator's plates (every lab's own robot): its most-moving nodes
+            shown = moving_nodes(structure.node_names, dataset.positions, structure.fixed_nodes)
+            plot_node_motion(t_rel, {"measured": dataset.positions, "predicted 1 s ahead": pred},
+                             structure.node_names, shown, tmp / f"nodes{suffix}.png", title=head)
         err = np.linalg.norm(pred - dataset.positions, axis=2)
         err = np.where(dataset.valid & np.isfinite(err), err, np.nan)
         per_frame = rms_error(err, axis=1, skip_missing=True)

@@ -113,6 +113,7 @@ def run(args) -> int:
                         integrator=args.integrator,
                         settle=args.settle, progress=True)
         _write_trajectories(out_tmp, structure, traj)
+        written = sorted(f.name for f in out_tmp.iterdir() if f.is_file()) + ["summary.json"]
         summary = _summarise(structure, traj)
         if bag_tmp is not None:
             summary["bag"] = _write_bag(args, bag_tmp, frame, structure, traj, ref, motor_velocities)
@@ -123,7 +124,7 @@ def run(args) -> int:
         (out_tmp / "summary.json").write_text(json.dumps(summary, indent=2))
     for k, v in summary.items():
         print(f"  {k:<32} {v}")
-    print(f"wrote {args.out}/ (trajectory.npz, plates.csv, plates.png, summary.json)")
+    print(f"wrote {args.out}/ ({', '.join(written)})")
     floor_mm = args.noise_mm if args.bag else 1.0
     if summary["max_internal_motion_mm"] < floor_mm:
         # the simulation is right, but a recording of it cannot identify anything: say so before `identify` does
@@ -138,13 +139,16 @@ def run(args) -> int:
 
 
 def _write_trajectories(out: Path, structure, traj) -> None:
-    from ..report import plate_motion, plot_plate_motion
+    from ..report import moving_nodes, plate_motion, plot_node_motion, plot_plate_motion
 
     np.savez_compressed(out / "trajectory.npz", times=traj.times, node_names=np.array(traj.node_names),
                         positions=traj.positions, velocities=traj.velocities, motor_angles=traj.motor_angles,
                         tensions=traj.tensions, string_names=np.array(traj.string_names))
     motion = plate_motion(structure.node_names, traj.positions)
-    if not motion:
+    if not motion:          # no manipulator plates: the nodes that move most
+        plot_node_motion(traj.times, {"twin": traj.positions}, structure.node_names,
+                         moving_nodes(structure.node_names, traj.positions, structure.fixed_nodes),
+                         out / "nodes.png", title=f"{structure.name}: node motion (MuJoCo twin)")
         return
     cols, header = [traj.times], ["t_s"]
     for plate, (pos, eul) in motion.items():

@@ -89,11 +89,56 @@ def plot_plate_motion(t: np.ndarray, series: Mapping[str, Tuple[np.ndarray, Mapp
     return _save(fig, path)
 
 
+def moving_nodes(names: Sequence[str], positions: np.ndarray, fixed: Sequence[str] = (), most: int = 6) -> List[int]:
+    """Indices of the (at most ``most``) nodes that move most in ``positions`` (T, N, 3) m (NaN where not
+    measured), ``fixed`` nodes left out, in structure order."""
+    span = np.full(len(names), -1.0)
+    for i, n in enumerate(names):
+        p = positions[:, i]
+        p = p[np.isfinite(p).all(axis=1)]
+        if n not in fixed and len(p) > 1:
+            span[i] = float(np.linalg.norm(p.max(axis=0) - p.min(axis=0)))
+    ranked = [i for i in np.argsort(-span, kind="stable") if span[i] >= 0][:most]
+    return sorted(int(i) for i in ranked)
+
+
+def plot_node_motion(t: np.ndarray, series: Mapping[str, np.ndarray], names: Sequence[str], nodes: Sequence[int],
+                     path: Path, title: str = "") -> Optional[Path]:
+    """Measured against predicted motion of single nodes, for structures without the manipulator's plates: one
+    panel per node in ``nodes`` (indices into ``names``), its x, y, z change from the first series' first finite
+    sample [mm] (the same reference for every series, so a prediction's offset stays visible), against time from
+    the recording's start. series: {label: positions (T, N, 3) m}, NaN where not measured or not predicted.
+    Returns None when ``nodes`` is empty."""
+    if not len(nodes):
+        return None
+    t = np.asarray(t, dtype=float)
+    t = t - t[0] if t.size else t
+    first = next(iter(series.values()))
+    fig, axes = plt.subplots(len(nodes), 1, figsize=(10, 0.8 + 2.3 * len(nodes)), sharex=True, squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    for ax, i in zip(axes[:, 0], nodes):
+        ref = _first_finite(first[:, i])
+        for k, (label, pos) in enumerate(series.items()):
+            for a in range(3):
+                ax.plot(t, 1e3 * (pos[:, i, a] - ref[a]), styles[k % 4], color=f"C{a}", lw=1.0,
+                        label=f"{AXES_POS[a]} {label}")
+        ax.set_title(f"node {names[i]}: position change from the start (structure frame)", fontsize=9, loc="left")
+        ax.set_ylabel("[mm]")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    axes[-1, 0].set_xlabel("time from the recording's start [s]")
+    if title:
+        fig.suptitle("\n".join(textwrap.wrap(title, 100)), fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 def plot_residuals(t, residual_mm, path: Path, label: str = "node position residual", title: str = "",
                    names: Optional[Sequence[str]] = None) -> Path:
-    """Residual over time: t (T,) s, residual_mm (T,) or (T, K) mm (one line per column); ``title`` (e.g. the
-    model check's verdict) above the plot, wrapped. Several recordings: ``t`` and ``residual_mm`` lists (one
-    entry each, own time base) and ``names``: one panel per recording, time from its start."""
+    """Residual over time from the recording's start: t (T,) s (any origin: a bag's stamps), residual_mm (T,) or
+    (T, K) mm (one line per column); ``title`` (e.g. the model check's verdict) above the plot, wrapped. Several
+    recordings: ``t`` and ``residual_mm`` lists (one entry each, own time base) and ``names``: one panel per
+    recording."""
     several = isinstance(t, (list, tuple))
     ts, rs = (list(t), list(residual_mm)) if several else ([t], [residual_mm])
     names = list(names) if names is not None else [""] * len(ts)
@@ -102,11 +147,11 @@ def plot_residuals(t, residual_mm, path: Path, label: str = "node position resid
     for k, (tk, rk) in enumerate(zip(ts, rs)):
         ax = axes[k, 0]
         tk = np.asarray(tk, dtype=float)
-        ax.plot(tk - tk[0] if several and tk.size else tk, rk, lw=1)
+        ax.plot(tk - tk[0] if tk.size else tk, rk, lw=1)      # a bag's stamps are epoch seconds (~1.7e9)
         rms = rms_error(rk, skip_missing=True)
         sub = f"{names[k]}: " if names[k] else ""
         ax.set_title(f"{sub}{label}, RMS {rms:.2f} mm", fontsize=9, loc="left")
-        ax.set_xlabel("time from the recording's start [s]" if several else "time [s]")
+        ax.set_xlabel("time from the recording's start [s]")
         ax.set_ylabel(f"{label} [mm]" if not several else "[mm]")
         ax.grid(alpha=0.3)
     if head:
@@ -134,7 +179,7 @@ def plot_convergence(history: Sequence[Mapping[str, float]], path: Path, truth: 
     for n in names:
         groups.setdefault(kind_of(n), []).append(n)
     for kind in list(groups):
-        if all(len({h.get(n) for h in history}) == 1 for n in groups[kind]):
+        if not any(_moved([h.get(n, np.nan) for h in history]) for n in groups[kind]):
             constant[kind] = len(groups.pop(kind))
     if constant:
         held = "held fixed (not estimated): " + ", ".join(f"{n} {k}" for k, n in constant.items())
@@ -174,6 +219,14 @@ def plot_convergence(history: Sequence[Mapping[str, float]], path: Path, truth: 
         top = 1.0 - (0.25 + 0.18 * title.count("\n")) / fig.get_figheight()
     fig.tight_layout(rect=(0, 0, 1, top))
     return _save(fig, path)
+
+
+def _moved(values: Sequence[float], rtol: float = 1e-9) -> bool:
+    """Whether a parameter's history moved by more than round-off: a fixed parameter comes back through the
+    log parametrisation 1e-16 relative off its file value, which drew a panel of 1e-14 % "errors"."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    return v.size > 1 and float(np.ptp(v)) > rtol * max(float(np.abs(v).max()), 1e-300)
 
 
 def _display(kind: str) -> Tuple[str, float, bool]:
