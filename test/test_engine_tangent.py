@@ -115,6 +115,22 @@ def test_float32_tangents_and_starts_only_blocks():
         prob.jacobian_blocks(w, None, "tangent", None, True)
 
 
+def test_start_fits_take_float32_columns_and_reach_float64s_errors(monkeypatch):
+    """The held-out and string-law checks fit each window's start with float32 start columns
+    (heldout.START_FIT_TANGENT_DTYPE; residuals in float64): the per-window errors they reach equal float64's to
+    1e-6 (relative), and the fit lowers them well below the measured starts' (0 steps)."""
+    from tensegrity_ros.ident import heldout
+    prob, w, _ = _noisy_pendulum_problem(window_s=0.2)
+    params = prob.finalize(w)[0]
+    assert heldout.START_FIT_TANGENT_DTYPE == torch.float32
+    mse32 = heldout.fitted_start_mse(prob, params, 0.01, 3)
+    monkeypatch.setattr(heldout, "START_FIT_TANGENT_DTYPE", torch.float64)
+    mse64 = heldout.fitted_start_mse(prob, params, 0.01, 3)
+    measured = heldout.fitted_start_mse(prob, params, 0.01, 0)
+    np.testing.assert_allclose(mse32, mse64, rtol=1e-6)
+    assert np.all(mse64 < 0.5 * measured), (mse64, measured)
+
+
 def test_auto_jacobian_falls_back_where_there_is_no_tangent_model():
     assert tangent.supports(make_engine(MANIPULATOR))
     assert not tangent.supports(make_engine(MANIPULATOR, integrator="rk4"))

@@ -156,8 +156,8 @@ class RefineOptions:
         never loosens the stop; noise-free data never stop on it. 0: off. Measured on the README's 16-s
         manipulator bag: the last rung's iterations 9 and 10 lowered chi^2 by 0.02 and 0.01 and moved no
         parameter by more than 0.003 sigma, at ~11 s each.
-        tangent_dtype: dtype of the tangent-linear model behind Levenberg-Marquardt's Jacobians (and the window
-        starts' fits of :func:`~.heldout.fitted_start_mse`); the residuals stay in ``dtype``, and the covariance
+        tangent_dtype: dtype of the tangent-linear model behind Levenberg-Marquardt's Jacobians (the checks' window
+        start fits use :data:`~.heldout.START_FIT_TANGENT_DTYPE`); the residuals stay in ``dtype``, and the covariance
         always uses ``dtype``. None (default): ``dtype``. ``torch.float32``: 26 % less time per Jacobian on the
         manipulator's 1-s windows, columns within 6e-6 (relative) of float64's; but where the minimum is a
         flat valley the path decides where a fit stops, and on the manipulator bench (every kind free) seed 2's
