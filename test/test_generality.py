@@ -22,7 +22,7 @@ from tensegrity_ros.engine import Inputs, make_engine
 from tensegrity_ros.ident.lawcheck import LawCheck
 from tensegrity_ros.model import load_structure
 from tensegrity_ros.validation import independent as I
-from tensegrity_ros.validation.scoring import COVERAGE_TARGET, TARGETS, score
+from tensegrity_ros.validation.scoring import COVERAGE_TARGET, TARGETS, Z_RMS_RANGE, score
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 pytest.importorskip("mujoco")
@@ -205,7 +205,7 @@ def test_identify_meets_item_6s_targets_on_a_labs_recording_of_the_tower(identif
     for kind, k in s["kinds"].items():
         assert k["median"] < 0.9 * k["nominal_median"], (kind, k)
         assert k["median"] < TARGETS[kind], (kind, k["median"], TARGETS[kind])
-        assert 0.5 <= k["z_rms"] <= 2.0, (kind, k["z_rms"])
+        assert Z_RMS_RANGE[0] <= k["z_rms"] <= Z_RMS_RANGE[1] and k["z_rms_in_range"], (kind, k["z_rms"])
     assert s["inside_2sigma"] >= COVERAGE_TARGET
 
 
@@ -299,3 +299,27 @@ def test_the_prior_stays_on_the_model_file_when_stage_2_starts_from_stage_1(tmp_
     truth, fit = load_structure(tmp_path / "truth.yaml"), load_structure(tmp_path / "p.yaml")
     errors = {b.name: f.mass / b.mass - 1 for b, f in zip(truth.bars, fit.bars)}
     assert max(abs(e) for e in errors.values()) < 0.03, (errors, rc)
+
+
+def test_the_score_holds_sigmas_to_the_errors():
+    """Issue 17 item 3's z-score range is part of the suite's targets: an estimate 0.2 % off the truth everywhere
+    (0.002 mm for rest lengths) misses them with sigmas of 1 % (z RMS 0.2: too wide to be of use) and of 0.09 %
+    (z RMS 2.2: too narrow for the errors), and meets them with 0.2 % (z RMS 1)."""
+    from tensegrity_ros.param_names import join_name
+    truth = I.draw_truth(I.load_suite_structure("prism4_fixed"), 0)
+    nominal = I.load_suite_structure("prism4_fixed")
+
+    def off(sigma):
+        strings = tuple(dataclasses.replace(s, stiffness=1.002 * s.stiffness, damping=1.002 * s.damping,
+                                            rest_length=s.rest_length + 2e-6) for s in truth.strings)
+        bars = tuple(b.with_mass(1.002 * b.mass) for b in truth.bars)
+        std = tuple((join_name(e.name, k), sigma * (1e-3 if k == "rest_length" else getattr(e, k)))
+                    for k, group in (("stiffness", strings), ("damping", strings), ("rest_length", strings),
+                                     ("mass", bars)) for e in group)
+        return dataclasses.replace(truth, strings=strings, bars=bars, std_devs=std)
+    wide, narrow, right = (score(truth, nominal, off(sig)) for sig in (0.01, 0.0009, 0.002))
+    assert all(k["z_rms"] == pytest.approx(0.2, rel=3e-3) for k in wide["kinds"].values())
+    assert not any(k["z_rms_in_range"] for k in wide["kinds"].values()) and not wide["meets_targets"]
+    assert not narrow["kinds"]["stiffness"]["z_rms_in_range"] and not narrow["meets_targets"]
+    assert all(k["z_rms_in_range"] for k in right["kinds"].values()) and right["meets_targets"]
+    assert Z_RMS_RANGE == (0.5, 2.0)

@@ -22,6 +22,9 @@ KINDS: Tuple[str, ...] = ("stiffness", "damping", "mass", "rest_length")
 #: issue 17 item 6's targets on the median error per kind (fractions; rest length in metres) and on coverage.
 TARGETS = {"stiffness": 0.05, "damping": 0.15, "mass": 0.03, "rest_length": 0.001}
 COVERAGE_TARGET = 0.90
+#: issue 17 item 3: the z-score RMS of each kind (error / reported sigma) within this range; above, the sigmas are too
+#: narrow for the errors, below, too wide to be of use
+Z_RMS_RANGE = (0.5, 2.0)
 #: how an error of each score unit is shown: (factor, key suffix) -- relative errors in %, metres in mm
 DISPLAY_UNITS = {"relative": (100.0, "pct"), "m": (1e3, "mm")}
 
@@ -64,6 +67,7 @@ def score(truth: Structure, nominal: Structure, identified: Structure, kinds: It
             "better_than_nominal": bool(np.median(np.abs(err)) < np.median(np.abs(nom))),
             "inside_2sigma": int(ok.sum()), "count": len(names),
             "z_rms": float(np.sqrt(np.mean(zf ** 2))) if zf.size else None,
+            "z_rms_in_range": bool(zf.size and Z_RMS_RANGE[0] <= float(np.sqrt(np.mean(zf ** 2))) <= Z_RMS_RANGE[1]),
             "target": TARGETS.get(kind), "meets_target": bool(np.median(np.abs(err)) < TARGETS[kind]),
             "worst": names[int(np.argmax(np.abs(err)))],
         }
@@ -71,7 +75,7 @@ def score(truth: Structure, nominal: Structure, identified: Structure, kinds: It
     out["parameters"] = total
     out["missing_sigma"] = missing
     out["every_kind_better_than_nominal"] = all(k["better_than_nominal"] for k in out["kinds"].values())
-    out["meets_targets"] = bool(all(k["meets_target"] for k in out["kinds"].values())
+    out["meets_targets"] = bool(all(k["meets_target"] and k["z_rms_in_range"] for k in out["kinds"].values())
                                 and out["every_kind_better_than_nominal"] and out["inside_2sigma"] >= COVERAGE_TARGET)
     return out
 
