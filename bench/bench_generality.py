@@ -132,6 +132,8 @@ def run(structures: Sequence[str] = I.SUITE, seed: int = 0, duration_s: float = 
                         max(s["kinds"][k]["median"] for s in scored) * DISPLAY_UNITS[v["unit"]][0]
                         for k, v in scored[0]["kinds"].items()}
         res["worst"]["inside_2sigma"] = min(s["inside_2sigma"] for s in scored)
+        zs = [k["z_rms"] for s in scored for k in s["kinds"].values() if k["z_rms"] is not None]
+        res["worst"]["z_rms_max"], res["worst"]["z_rms_min"] = (max(zs), min(zs)) if zs else (None, None)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "generality.json").write_text(json.dumps(res, indent=2, default=str))
     return res
