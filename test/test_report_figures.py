@@ -137,3 +137,18 @@ def test_node_plot_shows_the_most_moving_free_nodes_from_their_start(drawn, tmp_
     assert axes[-1].get_xlabel() == "time from the recording's start [s]" and axes[0].get_ylabel() == "[mm]"
     assert moving_nodes(names, pos, fixed=names) == []
     assert plot_node_motion(t, {"measured": pos}, names, [], tmp_path / "none.png") is None
+
+
+def test_residual_plot_draws_the_noise_floor(drawn, tmp_path):
+    """The 1-s prediction error is measured against noisy markers: the floor the noise alone sets is drawn and
+    named, so a person does not read 1.7 mm of marker noise as model error."""
+    from tensegrity_ros.report import plot_residuals
+    t = np.linspace(0.0, 4.0, 50)
+    plot_residuals([t, t], [np.full(50, 2.0), np.full(50, 2.5)], tmp_path / "r.png", names=["a", "b"],
+                   noise_floor_mm=1.73)
+    for ax in drawn[0].axes:
+        floor = [ln for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+        assert len(floor) == 1 and floor[0].get_ydata()[0] == pytest.approx(1.73)
+        assert "noise alone: 1.73 mm" in ax.get_legend().get_texts()[-1].get_text()
+    plot_residuals(t, np.ones(50), tmp_path / "s.png", noise_floor_mm=float("nan"))   # no estimate: no line
+    assert not [ln for ln in drawn[1].axes[0].get_lines() if ln.get_linestyle() == "--"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -522,12 +523,12 @@ def _report(tmp: Path, structure, identified, recs, datasets, result, *, prior_s
         say(f"        {per_rec[-1]['prediction_1s_rms_mm']:.2f} mm RMS ({time.perf_counter() - t0:.1f} s)")
     say(f"report [{next(step)}/{steps}]: residual and convergence plots ...")
     verdicts = verdict_lines(result)
-    if several:
-        plot_residuals(times, per_frames, tmp / "residuals.png", label="1-s prediction node RMS error",
-                       title=" | ".join(verdicts), names=names)
-    else:
-        plot_residuals(times[0], per_frames[0], tmp / "residuals.png", label="1-s prediction node RMS error",
-                       title=" | ".join(verdicts))
+    # a node's 3-D error against markers with noise sigma per coordinate is at least sqrt(3) sigma
+    mm = result.model_mismatch
+    floor = math.sqrt(3.0) * 1e3 * mm.noise_std_m if mm is not None else None
+    plot_residuals(times if several else times[0], per_frames if several else per_frames[0], tmp / "residuals.png",
+                   label="1-s prediction node RMS error", title=" | ".join(verdicts), names=names if several else None,
+                   noise_floor_mm=floor)
     plot_convergence([{**h["params"], "loss": h["loss"]} for h in result.history if "params" in h],
                      tmp / "convergence.png", x_label="loss evaluation (all stage-2 runs in order)",
                      truth=truth, title=f"{structure.name}: parameter convergence "

@@ -134,11 +134,12 @@ def plot_node_motion(t: np.ndarray, series: Mapping[str, np.ndarray], names: Seq
 
 
 def plot_residuals(t, residual_mm, path: Path, label: str = "node position residual", title: str = "",
-                   names: Optional[Sequence[str]] = None) -> Path:
+                   names: Optional[Sequence[str]] = None, noise_floor_mm: Optional[float] = None) -> Path:
     """Residual over time from the recording's start: t (T,) s (any origin: a bag's stamps), residual_mm (T,) or
     (T, K) mm (one line per column); ``title`` (e.g. the model check's verdict) above the plot, wrapped. Several
     recordings: ``t`` and ``residual_mm`` lists (one entry each, own time base) and ``names``: one panel per
-    recording."""
+    recording. ``noise_floor_mm``: what the markers' noise alone gives on this measure, drawn as a dashed line (a
+    node's 3-D error against noisy markers cannot fall below it, however good the model)."""
     several = isinstance(t, (list, tuple))
     ts, rs = (list(t), list(residual_mm)) if several else ([t], [residual_mm])
     names = list(names) if names is not None else [""] * len(ts)
@@ -148,6 +149,10 @@ def plot_residuals(t, residual_mm, path: Path, label: str = "node position resid
         ax = axes[k, 0]
         tk = np.asarray(tk, dtype=float)
         ax.plot(tk - tk[0] if tk.size else tk, rk, lw=1)      # a bag's stamps are epoch seconds (~1.7e9)
+        if noise_floor_mm is not None and math.isfinite(noise_floor_mm):
+            ax.axhline(noise_floor_mm, color="k", ls="--", lw=1,
+                       label=f"the markers' noise alone: {noise_floor_mm:.2f} mm")
+            ax.legend(fontsize=7, loc="upper right")
         rms = rms_error(rk, skip_missing=True)
         sub = f"{names[k]}: " if names[k] else ""
         ax.set_title(f"{sub}{label}, RMS {rms:.2f} mm", fontsize=9, loc="left")
