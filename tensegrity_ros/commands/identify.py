@@ -93,7 +93,7 @@ def add_arguments(parser) -> None:
                         help="after the fit, refit with the actuated strings' other stiffness_law (cord <-> spring) "
                              "and say which law predicts the recording better; exit 3 when the other one does "
                              "(default: on; a refit and two scorings, a third to a half more time: 14-17 s on a 12-s "
-                             "recording of the generality suite, 50-60 s on the README's 16-s manipulator bag, 2 "
+                             "recording of the generality suite, 29 s of 114 s on the README's 16-s manipulator bag, 2 "
                              "cores; no effect without actuated strings)")
     parser.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (default: auto, cuda when present)")
     parser.add_argument("--workers", default="auto",

@@ -143,8 +143,8 @@ def check_string_law(structure: Structure, datasets: Sequence[Dataset], fit: Ref
     steps on each scored window's start. Measured on the prism and the icosahedron: 2, 3, 5 or 10 iterations of
     the alternative fit gave the same mean squared error ratio to 4 digits (the two laws' optima lie close), on the
     manipulator 2 and 3 gave 0.881 and 0.884; 2 start steps the same as 3 (1 step moved the tower's figure from 2.4
-    to 0.9 sigma). The check took 14-17 s on the suite (identify ~35 s without it) and 50-59 s on the README's
-    16-s manipulator bag (~150 s without it), 2-core machine. callback: the alternative fit's progress, as
+    to 0.9 sigma). The check took 14-17 s on the suite (identify ~35 s without it) and 29 s of identify's 114 s on
+    the README's 16-s manipulator bag (2026-11-28), 2-core machine. callback: the alternative fit's progress, as
     :func:`~.refine.refine`'s."""
     t0 = time.perf_counter()
     other, names = swap_actuated_laws(structure)
