@@ -60,14 +60,14 @@ def score(truth: Structure, nominal: Structure, identified: Structure, kinds: It
         total += len(names)
         missing += int((~np.isfinite(sig)).sum())
         zf = z[np.isfinite(z)]
+        z_rms = float(np.sqrt(np.mean(zf ** 2))) if zf.size else None
         out["kinds"][kind] = {
             "unit": "relative" if kind in RELATIVE_KINDS else "m",
             "median": float(np.median(np.abs(err))), "max": float(np.max(np.abs(err))),
             "nominal_median": float(np.median(np.abs(nom))),
             "better_than_nominal": bool(np.median(np.abs(err)) < np.median(np.abs(nom))),
             "inside_2sigma": int(ok.sum()), "count": len(names),
-            "z_rms": float(np.sqrt(np.mean(zf ** 2))) if zf.size else None,
-            "z_rms_in_range": bool(zf.size and Z_RMS_RANGE[0] <= float(np.sqrt(np.mean(zf ** 2))) <= Z_RMS_RANGE[1]),
+            "z_rms": z_rms, "z_rms_in_range": z_rms is not None and Z_RMS_RANGE[0] <= z_rms <= Z_RMS_RANGE[1],
             "target": TARGETS.get(kind), "meets_target": bool(np.median(np.abs(err)) < TARGETS[kind]),
             "worst": names[int(np.argmax(np.abs(err)))],
         }
