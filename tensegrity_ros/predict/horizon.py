@@ -244,15 +244,16 @@ class HorizonPredictor:
         return np.matmul(self.T, V)
 
     def split(self, x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """(..., n) state -> free-node positions, velocities (..., nf, 3)."""
-        x = np.asarray(x)
+        """(..., n) state -> free-node positions, velocities (..., nf, 3); a torch tensor stays one (and keeps its
+        autograd and dual-number tangents)."""
+        x = x if hasattr(x, "reshape") else np.asarray(x)
         return x[..., :3 * self.nf].reshape(*x.shape[:-1], self.nf, 3), \
             x[..., 3 * self.nf:].reshape(*x.shape[:-1], self.nf, 3)
 
     def _engine_state(self, x):
         """(B, n) predictor states (node-major, see :attr:`state_names`) -> the engine's reduced Q, V (B, 3, nf)."""
-        B, nf = x.shape[0], self.nf
-        return x[:, :3 * nf].reshape(B, nf, 3).mT, x[:, 3 * nf:].reshape(B, nf, 3).mT
+        q, v = self.split(x)
+        return q.mT, v.mT
 
     def _step_fn(self, params, n_sub: int):
         """``n_sub`` engine steps of dt / n_sub: f(x (B, n), u, ud (B, A) or None) -> (B, n)."""
