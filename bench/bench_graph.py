@@ -42,7 +42,8 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True,
         predictor_process: bool = False) -> dict:
     """robot_process: the simulated robot (twin, emulated bus, driver) in a process of its own (default, as the
     demo runs it), else in the graph's; predictor_process: the state predictor in one of its own too."""
-    from tensegrity_ros.bringup import GraphConfig, build_graph, delivery, drain, graph_health, stop_sources
+    from tensegrity_ros.bringup import (GraphConfig, build_graph, delivery, delivery_totals, drain, graph_health,
+                                        stop_sources)
 
     # the demo's priorities: the simulated robot above the graph's callbacks, both above the compute workers
     from tensegrity_ros.commands.demo import GRAPH_NICE, ROBOT_NICE
@@ -78,6 +79,7 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True,
         st = robot["driver"]
         pr = graph.predictor()     # latency statistics: the last 20,000 predictions (~170 s at 120 Hz)
         deliv = delivery(graph, wall)
+        totals = delivery_totals(deliv)
         health = graph_health(graph, wall)
         result = {
             "health": health.as_dict(),
@@ -95,7 +97,9 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True,
             "identifier_update_s_p99": _pct(idn.update_time, 99, 1.0),
             "identifier": dict(idn.stats),
             # every message of a rate-driven stream not delivered (expected = rate x duration), lost anywhere
-            "dropped_messages": int(sum(max(0, d["expected"] - d["received"]) for d in deliv.values())),
+            "dropped_messages": totals["not_delivered"],
+            "lost_messages": totals["lost"],              # published, not received: lost between nodes
+            "not_produced_messages": totals["not_produced"],   # the sources' shortfall (skipped frames)
             "queue_drops": drops,
             "all_delivered": bool(delivered) and all(d["received"] >= d["expected"] for d in deliv.values()),
             "messages": graph.received(), "published": graph.published_counts(),
@@ -123,7 +127,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     r = run(args.duration, robot_process=not args.one_process, predictor_process=args.predictor_process)
     print(f"latency p50 {r['latency_p50_ms']:.2f} ms, p99 {r['latency_p99_ms']:.2f} ms; identifier update "
-          f"p50 {r['identifier_update_s_p50']:.2f} s; not delivered {r['dropped_messages']}; driver missed "
+          f"p50 {r['identifier_update_s_p50']:.2f} s; not delivered {r['dropped_messages']} ({r['lost_messages']} lost "
+          f"between nodes, {r['not_produced_messages']} never produced); driver missed "
           f"{r['driver']['missed_cycles']} cycles; load {r['loadavg_end']}; wrote {OUT}")
     print(r["health"]["verdict"])
     return 0 if r["health"]["healthy"] else 3

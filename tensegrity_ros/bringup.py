@@ -768,14 +768,15 @@ class GraphRun:
 
     duration_s: float
     drops: Dict[str, Dict[str, int]]
-    dropped_messages: int
+    dropped_messages: int          # lost between nodes (``drops`` summed), not the sources' shortfall
     received: Dict[str, int]
     published: Dict[str, int]
     monitor: Optional[GraphMonitor]
     nodes: Dict[str, Node]
     diagnostics: Dict[str, Any]
     robot: Dict[str, Any] = field(default_factory=dict)
-    #: {stream: {expected, received, fraction}} (:func:`delivery`) and the run's verdict (:func:`graph_health`)
+    #: {stream: {expected, published, received, fraction, lost, not_produced}} (:func:`delivery`) and the run's
+    #: verdict (:func:`graph_health`)
     delivery: Dict[str, Dict[str, float]] = field(default_factory=dict)
     health: Any = None
 
@@ -820,9 +821,13 @@ def run_graph(duration_s: float, config: Optional[GraphConfig] = None, *, contex
 # health: what was delivered against what should have been (tensegrity_ros.health judges)
 # =====================================================================================================
 def delivery(graph: Graph, duration_s: float) -> Dict[str, Dict[str, float]]:
-    """{stream: {expected, received, fraction}} for the streams with a nominal rate: mocap frames (received by
-    mocap_ingest), motor states and node states (the least any consumer of the graph received). Expected =
-    the source's nominal rate x ``duration_s``. Call after :func:`stop_sources` and :func:`drain`."""
+    """{stream: {expected, published, received, fraction, lost, not_produced}} for the streams with a nominal
+    rate: mocap frames (received by mocap_ingest), motor states and node states (the least any consumer of the
+    graph received). Expected = the source's nominal rate x ``duration_s``; published = what its source sent.
+    So a message not delivered was either lost between nodes (``lost`` = published - received) or never
+    produced (``not_produced`` = expected - published: a mocap frame the simulated robot skipped when it fell
+    behind real time, as a mocap system drops frames; the node states of frames never received).
+    Call after :func:`stop_sources` and :func:`drain`."""
     from .health import delivered_fraction, expected_count
 
     robot = graph.robot_stats()
@@ -840,8 +845,25 @@ def delivery(graph: Graph, duration_s: float) -> Dict[str, Dict[str, float]]:
     received = {"mocap_frames": ing.seq.received.get(TOPICS["markers"], 0) if ing is not None else 0,
                 "motor_states": least(TOPICS["motor_states"]), "node_states": least(TOPICS["node_states"])}
     rates = {"mocap_frames": mocap_hz, "motor_states": motor_hz, "node_states": mocap_hz}
-    return {k: {"expected": expected_count(rates[k], duration_s), "received": int(received[k]),
-                "fraction": delivered_fraction(received[k], rates[k], duration_s)} for k in received}
+    pub = graph.published_counts()
+    published = {k: int(pub.get(TOPICS[t], 0)) for k, t in
+                 (("mocap_frames", "markers"), ("motor_states", "motor_states"), ("node_states", "node_states"))}
+    out = {}
+    for k in received:
+        expected = expected_count(rates[k], duration_s)
+        out[k] = {"expected": expected, "published": published[k], "received": int(received[k]),
+                  "fraction": delivered_fraction(received[k], rates[k], duration_s),
+                  "lost": max(0, published[k] - int(received[k])),
+                  "not_produced": max(0, expected - max(published[k], int(received[k])))}
+    return out
+
+
+def delivery_totals(deliv: Mapping[str, Mapping[str, float]]) -> Dict[str, int]:
+    """Over :func:`delivery`'s streams: messages not delivered (expected - received, lost anywhere), of them
+    ``lost`` between nodes (published, not received) and ``not_produced`` by their sources."""
+    return {"not_delivered": int(sum(max(0, d["expected"] - d["received"]) for d in deliv.values())),
+            "lost": int(sum(d["lost"] for d in deliv.values())),
+            "not_produced": int(sum(d["not_produced"] for d in deliv.values()))}
 
 
 def health_figures(graph: Graph, duration_s: float) -> Dict[str, float]:

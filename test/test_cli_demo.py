@@ -32,3 +32,7 @@ def test_short_demo_ends_with_its_verdict_and_matching_exit_code(tmp_path):
     # every figure is printed with its threshold before the verdict
     printed = {m.group(2): m.group(1) for m in (re.match(r"(ok|FAIL)\s+(\S+) = ", x.strip()) for x in lines[:-1]) if m}
     assert printed == {k: "ok" if f["pass"] else "FAIL" for k, f in health["figures"].items()}
+    # a message short of rate x duration is accounted for: lost between nodes, or never produced by its source
+    lost, never = summary["lost_messages"], summary["not_produced_messages"]
+    assert isinstance(lost, int) and isinstance(never, int) and lost + never >= summary["dropped_messages"] >= 0
+    assert any(f"({lost} lost between nodes, {never} never produced by the sources)" in x for x in lines), lines[-12:]

@@ -50,6 +50,22 @@ def test_decide_rejects_with_a_reason(cand, needle):
     assert not d.accept and needle in d.reason
 
 
+def test_a_fit_no_better_than_the_active_set_is_routine_and_says_higher():
+    """The steady state (the active set already predicts as well) is told apart from a fault: the node logs it as
+    information, and the figures say 'higher', never '-12 % lower'."""
+    worse = Candidate({"s1.stiffness": 210.0}, residual_m=1e-3, holdout_mse=BETTER["active_holdout_mse"],
+                      active_holdout_mse=BETTER["holdout_mse"])
+    d = decide(worse, NOMINAL, [1e-3], AcceptConfig())
+    assert d.routine and "% higher" in d.reason and "-" not in d.reason.split("mean squared error")[1].split("%")[0]
+    accepted = decide(Candidate({"s1.stiffness": 210.0}, residual_m=1e-3, **BETTER), NOMINAL, [1e-3], AcceptConfig())
+    assert accepted.accept and not accepted.routine
+    # not better AND out of bounds: a fault, not routine
+    bad = decide(Candidate({"s1.stiffness": 2000.0}, residual_m=1e-3, holdout_mse=BETTER["active_holdout_mse"],
+                           active_holdout_mse=BETTER["holdout_mse"]), NOMINAL, [1e-3], AcceptConfig())
+    assert not bad.accept and not bad.routine
+    assert not decide(Candidate({"s1.stiffness": 210.0}, residual_m=1e-3), NOMINAL, [1e-3], AcceptConfig()).routine
+
+
 def test_residual_floor_and_reference_median():
     cfg = AcceptConfig(max_residual_ratio=3.0, residual_floor_m=2e-3)
     assert decide(Candidate({}, residual_m=1.9e-3, **BETTER), {}, [0.1e-3], cfg).accept      # below the floor

@@ -307,7 +307,9 @@ def run(args) -> int:
                      f"(nominal {nominal_err:.1f} %), 1-s prediction RMSE {summary['prediction_rmse_mm']:.2f} mm over the "
                      f"whole run, {summary['prediction_rmse_mm_second_half']:.2f} mm in its second half (the first "
                      "predicts with the nominal model until a set is accepted), "
-                     f"{summary['dropped_messages']} messages not delivered; wrote {out / 'summary.json'}, "
+                     f"{summary['dropped_messages']} messages not delivered ({summary['lost_messages']} lost between "
+                     f"nodes, {summary['not_produced_messages']} never produced by the sources); "
+                     f"wrote {out / 'summary.json'}, "
                      f"{out / 'report.md'}" + ("" if args.no_bag else f", {out / 'bag'}") + "\n")
     return report_health(health)
 
@@ -345,9 +347,10 @@ def summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_r
     set_errors = [float(np.median(list(parameter_errors(p.as_dict(), truth, est_names).values())))
                   for p in mon.parameter_sets]
     worse = sum(1 for a, b in zip(set_errors, set_errors[1:]) if b > a)
-    from ..bringup import delivery, graph_health
+    from ..bringup import delivery, delivery_totals, graph_health
 
     deliv = delivery(graph, duration)
+    totals = delivery_totals(deliv)
     health = graph_health(graph, duration, {"accepted_worse_than_previous": worse}, sections=("graph", "demo"))
     realized, recent = pr.realized.whole_run(), pr.realized.per_step()
     k_1s = min(int(round(1.0 / pr.dt)), realized.size) - 1
@@ -391,7 +394,9 @@ def summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_r
         "predictions_per_node_state": pr.predictions_per_node_state(),
         "relinearize_ms_p50": _pct(pr.lin_time, 50),
         # every message of a rate-driven stream not delivered (expected = rate x duration), lost anywhere
-        "dropped_messages": int(sum(max(0, d["expected"] - d["received"]) for d in deliv.values())),
+        "dropped_messages": totals["not_delivered"],
+        "lost_messages": totals["lost"],              # published, not received: lost between nodes
+        "not_produced_messages": totals["not_produced"],   # the sources' shortfall (skipped frames)
         "queue_drops": queue_drops,      # of those, the ones a subscriber saw as sequence gaps
         "all_delivered": bool(drained) and all(d["received"] >= d["expected"] for d in deliv.values()),
         "messages": graph.received(),
@@ -457,8 +462,9 @@ def write_report(graph, summary, truth, nom, est_names, t0_ros, out: Path, nomin
         f"{s['prediction_latency_ms']['p99']:.2f} ms |",
         f"| identifier updates accepted / rejected, update time p50 | {s['identifier']['accepted']} / "
         f"{s['identifier']['rejected']}, {s['identifier']['update_s_p50']:.2f} s |",
-        f"| messages not delivered (mocap, motor states, node states; expected = rate x duration) | "
-        f"{s['dropped_messages']} |",
+        f"| messages not delivered (mocap, motor states, node states; expected = rate x duration): lost between "
+        f"nodes / never produced by the sources | {s['dropped_messages']}: {s['lost_messages']} / "
+        f"{s['not_produced_messages']} |",
         f"| realized 1-s prediction error (scored against later node states, no truth) | "
         f"{s['prediction_realized_error_mm']['at_1s']:.2f} mm |",
         f"| mocap / driver loop rate, driver missed cycles | {s['rates']['mocap_hz']:.1f} / "

@@ -94,6 +94,10 @@ class AcceptConfig:
     require_converged: bool = False
 
 
+#: the reason given when a fit does not predict held-out data better than the active set
+NOT_BETTER = "not better on held-out data"
+
+
 @dataclass(frozen=True)
 class Decision:
     accept: bool
@@ -102,6 +106,12 @@ class Decision:
     @property
     def reason(self) -> str:
         return "; ".join(self.reasons)
+
+    @property
+    def routine(self) -> bool:
+        """A rejection whose only reason is that the fit does not predict held-out data better than the active
+        set: the steady state once the active set is good (logged as information, not as a warning)."""
+        return not self.accept and len(self.reasons) == 1 and self.reasons[0].startswith(NOT_BETTER)
 
 
 def parameter_bounds(name: str, nominal: float, cfg: AcceptConfig) -> Tuple[float, float]:
@@ -179,13 +189,14 @@ def held_out_improvement(fit_mse: Sequence[float], active_mse: Sequence[float],
         return False, "held-out prediction not finite"
     from .heldout import paired_log_ratio, paired_verdict       # the held-out check's paired statistics
     n, mean, se, rms_f, rms_a = paired_log_ratio(a, f)
-    rel = 1.0 - math.exp(-mean)
+    rel = 1.0 - math.exp(-mean)          # < 0: the fit's typical error is higher, by -rel
     text = (f"held-out open-loop RMS {rms_f * 1e3:.3f} mm vs the active set's {rms_a * 1e3:.3f} mm over {n} windows "
-            f"(mean squared error {100 * rel:+.1f} % lower, {mean / se if se > 0 else math.inf:.1f} sigma; needs > "
-            f"{cfg.margin_sigma:g} sigma and >= {100 * cfg.min_relative_improvement:g} %)")
+            f"(mean squared error {abs(100 * rel):.1f} % {'lower' if rel >= 0 else 'higher'}, "
+            f"{mean / se if se > 0 else math.inf:.1f} sigma; needs > "
+            f"{cfg.margin_sigma:g} sigma and >= {100 * cfg.min_relative_improvement:g} % lower)")
     if paired_verdict(mean, se, cfg.margin_sigma, cfg.min_relative_improvement, ("better", "worse", "")) == "better":
         return True, text
-    return False, "not better on held-out data: " + text
+    return False, f"{NOT_BETTER}: {text}"
 
 
 class DriftDetector:

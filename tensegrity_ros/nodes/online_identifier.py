@@ -267,6 +267,9 @@ class OnlineIdentifierNode(C.GraphNode):
             self.pub.publish(C.parameter_set_to_msg(self.active.record))
             _, figures = held_out_improvement(cand.holdout_mse, cand.active_holdout_mse, self.accept_config())
             self.get_logger().info(f"accepted {self.active.record.set_id}: {figures}")
+        elif dec.routine:      # the active set predicts as well: the steady state, not a fault
+            self.get_logger().info(f"fit not adopted, {self.active.record.set_id} stays active: {dec.reason}",
+                                   throttle_duration_sec=5.0)
         else:
             self.get_logger().warn(f"fit rejected, keeping {self.active.record.set_id}: {dec.reason}",
                                    throttle_duration_sec=5.0)
@@ -355,7 +358,9 @@ class OnlineIdentifierNode(C.GraphNode):
         for k, v in self.last_timings.items():
             vals[f"last_{k}_s"] = v
         level, message = "ok", f"active {rec.set_id}"
-        if self.last_decision is not None and not self.last_decision.accept:
+        if self.last_decision is not None and self.last_decision.routine:
+            message = f"active {rec.set_id}; last fit not adopted: {self.last_decision.reason}"
+        elif self.last_decision is not None and not self.last_decision.accept:
             level, message = "warn", f"last fit rejected, keeping {rec.set_id}: {self.last_decision.reason}"
         if self.drift.warning:
             level, message = "warn", self.drift.warning
