@@ -59,7 +59,7 @@ HEADLINES = [
     ("graph", "latency_p50_ms", "node state -> prediction latency p50 [ms]", "< 5", lambda v: v < 5),
     ("graph", "latency_p99_ms", "node state -> prediction latency p99 [ms]", "< 20", lambda v: v < 20),
     ("graph", "lost_messages", "messages lost between nodes (published, not received)", "0", lambda v: v == 0),
-    ("graph", "not_produced_messages", "messages the sources did not produce (sim behind real time)", "(report)",
+    ("graph", "not_produced_messages", "messages the sources did not produce (skipped frames, missed cycles)", "(report)",
      lambda v: True),
     ("graph", "delivery.mocap_frames.fraction", "graph: mocap frames delivered", ">= 0.99", lambda v: v >= 0.99),
     ("graph", "delivery.motor_states.fraction", "graph: motor states delivered", ">= 0.99", lambda v: v >= 0.99),
