@@ -101,7 +101,10 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True,
             "lost_messages": totals["lost"],              # published, not received: lost between nodes
             "not_produced_messages": totals["not_produced"],   # the sources' shortfall (skipped frames)
             "queue_drops": drops,
-            "all_delivered": bool(delivered) and all(d["received"] >= d["expected"] for d in deliv.values()),
+            # lost on ANY subscription (every topic, every subscriber: sequence gaps or published - received);
+            # lost_messages above counts only the rate streams, at their least-served consumer
+            "queue_drops_total": graph.total_dropped(drops),
+            "all_delivered": bool(delivered) and totals["complete"],
             "messages": graph.received(), "published": graph.published_counts(),
             "rates_hz": {"mocap": ing.frames / wall, "driver_loop": st.get("loop_rate_hz"),
                          "motor_states": graph.received().get("/tensegrity/motor_states", 0) / wall},

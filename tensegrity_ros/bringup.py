@@ -401,8 +401,9 @@ class Graph:
                 out[t] = max(out.get(t, 0), n)
         return out
 
-    def total_dropped(self) -> int:
-        return int(sum(sum(v.values()) for v in self.drops().values()))
+    def total_dropped(self, drops: Optional[Mapping[str, Mapping[str, int]]] = None) -> int:
+        """Messages lost on any subscription: :meth:`drops` summed (``drops``: a result of it already taken)."""
+        return int(sum(sum(v.values()) for v in (self.drops() if drops is None else drops).values()))
 
     def shutdown(self) -> None:
         """Stop everything: executor, nodes (torque off, emulator closed), context if owned."""
@@ -808,7 +809,7 @@ def run_graph(duration_s: float, config: Optional[GraphConfig] = None, *, contex
         drops = graph.drops()
         mon = graph.monitor
         return GraphRun(duration_s=elapsed, drops=drops,
-                        dropped_messages=int(sum(sum(v.values()) for v in drops.values())),
+                        dropped_messages=graph.total_dropped(drops),
                         received=graph.received(), published=graph.published_counts(), monitor=mon,
                         nodes=graph.nodes, diagnostics=dict(mon.diagnostics) if mon else {},
                         robot=graph.robot_stats(), delivery=delivery(graph, elapsed),
@@ -860,10 +861,12 @@ def delivery(graph: Graph, duration_s: float) -> Dict[str, Dict[str, float]]:
 
 def delivery_totals(deliv: Mapping[str, Mapping[str, float]]) -> Dict[str, int]:
     """Over :func:`delivery`'s streams: messages not delivered (expected - received, lost anywhere), of them
-    ``lost`` between nodes (published, not received) and ``not_produced`` by their sources."""
+    ``lost`` between nodes (published, not received) and ``not_produced`` by their sources; ``complete``: every
+    stream delivered its rate x duration."""
     return {"not_delivered": int(sum(max(0, d["expected"] - d["received"]) for d in deliv.values())),
             "lost": int(sum(d["lost"] for d in deliv.values())),
-            "not_produced": int(sum(d["not_produced"] for d in deliv.values()))}
+            "not_produced": int(sum(d["not_produced"] for d in deliv.values())),
+            "complete": all(d["received"] >= d["expected"] for d in deliv.values())}
 
 
 def health_figures(graph: Graph, duration_s: float) -> Dict[str, float]:

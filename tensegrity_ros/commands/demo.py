@@ -398,7 +398,7 @@ def summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_r
         "lost_messages": totals["lost"],              # published, not received: lost between nodes
         "not_produced_messages": totals["not_produced"],   # the sources' shortfall (skipped frames)
         "queue_drops": queue_drops,      # of those, the ones a subscriber saw as sequence gaps
-        "all_delivered": bool(drained) and all(d["received"] >= d["expected"] for d in deliv.values()),
+        "all_delivered": bool(drained) and totals["complete"],
         "messages": graph.received(),
         "rates": {"mocap_hz": ing.frames / duration if duration else math.nan,
                   "driver_loop_hz": drv.get("loop_rate_hz"), "driver_cycles": drv.get("cycles"),
