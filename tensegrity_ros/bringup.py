@@ -38,7 +38,7 @@ from .nodes.cdr import node_states_from_cdr, prediction_from_cdr
 from .nodes.convert import diag_values, parameter_set_from_msg
 from .nodes.graph_node import LeanNode
 from .nodes.stats import RollingStats, SequenceMonitor
-from .nodes.topics import DIAG_QOS, LATCHED_QOS, PREDICTION_QOS, SENSOR_READER_QOS, STREAM_QOS, TOPICS
+from .nodes.topics import DIAG_QOS, LATCHED_QOS, PREDICTION_READER_QOS, SENSOR_READER_QOS, STREAM_QOS, TOPICS
 from .parameter_set import ParameterSet
 from .paths import CONFIG_DIR
 from .workers import limit_blas_threads
@@ -188,7 +188,7 @@ class GraphMonitor(LeanNode):
         for topic in self.topics:
             tname = self.TOPIC_TYPES[topic]
             qos = LATCHED_QOS if topic == TOPICS["identified_parameters"] else (
-                PREDICTION_QOS if topic == TOPICS["predicted_states"] else
+                PREDICTION_READER_QOS if topic == TOPICS["predicted_states"] else
                 (DIAG_QOS if topic == TOPICS["diagnostics"] else
                  # motor states are published best effort (sensor data): a reliable reader would match nothing
                  SENSOR_READER_QOS if topic == TOPICS["motor_states"] else STREAM_QOS))

@@ -3,6 +3,7 @@ codec (nodes/cdr.py) against rclpy's serialiser, parameter specs and their run-t
 from __future__ import annotations
 
 import math
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -286,3 +287,34 @@ def test_run_node_exits_cleanly_on_sigterm_and_refuses_bad_parameters(tmp_path):
     bad = subprocess.run([sys.executable, "-c", code, "--ros-args", "-p", f"model_file:={tmp_path / 'missing.yaml'}"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "model_file" in bad.stderr and "no such file" in bad.stderr
+
+
+def test_the_graph_monitor_keeps_every_prediction_through_an_executor_stall(rclpy_context, make_node, spin_until):
+    """The monitor (bringup.GraphMonitor) counts every message on every subscription, and `make bench` holds what
+    it loses to 0. Its reader of predictions must then ride out an executor that runs late as long as the
+    streams' readers do (STREAM_DEPTH): here 1.5 s of 120-Hz predictions arrive while its executor does not spin,
+    as when the graph's one executor thread is held up. A reader of depth 32 (PREDICTION_QOS) loses ~150 of the
+    180 here."""
+    from rclpy.executors import SingleThreadedExecutor
+
+    from tensegrity_ros.bringup import GraphMonitor
+
+    topic = C.TOPICS["predicted_states"]
+    private = f"/{unique_name('stall')}/predicted_states"      # no other test's predictor can reach it
+    monitor = GraphMonitor(unique_name("monitor"), context=rclpy_context, topics=[topic], qos_events=False,
+                           cli_args=["--ros-args", "-r", f"{topic}:={private}"])
+    ex = SingleThreadedExecutor(context=rclpy_context)
+    ex.add_node(monitor)
+    try:
+        pub = make_node().create_publisher(PredictedStates, private, C.PREDICTION_QOS)
+        assert spin_until(ex, lambda: pub.get_subscription_count() > 0, timeout=5.0)
+        n = 180
+        for _ in range(n):                                   # the monitor's executor is not spinning
+            pub.publish(PredictedStates())
+            time.sleep(1.0 / 120.0)
+        assert spin_until(ex, lambda: monitor.seq.received.get(topic, 0) >= n, timeout=10.0), monitor.seq.received
+        assert monitor.seq.received[topic] == n and monitor.seq.dropped[topic] == 0, (monitor.seq.received,
+                                                                                      monitor.seq.dropped)
+    finally:
+        ex.shutdown(timeout_sec=1.0)
+        monitor.destroy_node()
