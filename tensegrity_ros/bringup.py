@@ -38,7 +38,7 @@ from .nodes.cdr import node_states_from_cdr, prediction_from_cdr
 from .nodes.convert import diag_values, parameter_set_from_msg
 from .nodes.graph_node import LeanNode
 from .nodes.stats import RollingStats, SequenceMonitor
-from .nodes.topics import DIAG_QOS, LATCHED_QOS, PREDICTION_READER_QOS, SENSOR_READER_QOS, STREAM_QOS, TOPICS
+from .nodes.topics import DIAG_QOS, LATCHED_QOS, SENSOR_READER_QOS, STREAM_QOS, TOPICS
 from .parameter_set import ParameterSet
 from .paths import CONFIG_DIR
 from .workers import limit_blas_threads
@@ -187,11 +187,13 @@ class GraphMonitor(LeanNode):
         self._types = types
         for topic in self.topics:
             tname = self.TOPIC_TYPES[topic]
+            # everything else, predictions included, with the streams' deep queue: the monitor counts every message,
+            # so an executor running late must not overflow it (at PREDICTION_QOS's 32 it kept 32 of 180 predictions
+            # through a 1.5-s stall, test_nodes_common.py)
             qos = LATCHED_QOS if topic == TOPICS["identified_parameters"] else (
-                PREDICTION_READER_QOS if topic == TOPICS["predicted_states"] else
-                (DIAG_QOS if topic == TOPICS["diagnostics"] else
-                 # motor states are published best effort (sensor data): a reliable reader would match nothing
-                 SENSOR_READER_QOS if topic == TOPICS["motor_states"] else STREAM_QOS))
+                DIAG_QOS if topic == TOPICS["diagnostics"] else
+                # motor states are published best effort (sensor data): a reliable reader would match nothing
+                SENSOR_READER_QOS if topic == TOPICS["motor_states"] else STREAM_QOS)
             self.create_subscription(types[tname], topic, self._callback(topic, tname), qos, raw=True)
 
     def _callback(self, topic: str, tname: str):

@@ -292,7 +292,7 @@ def test_run_node_exits_cleanly_on_sigterm_and_refuses_bad_parameters(tmp_path):
 def test_the_graph_monitor_keeps_every_prediction_through_an_executor_stall(rclpy_context, make_node, spin_until):
     """The monitor (bringup.GraphMonitor) counts every message on every subscription, and `make bench` holds what
     it loses to 0. Its reader of predictions must then ride out an executor that runs late as long as the
-    streams' readers do (STREAM_DEPTH): here 1.5 s of 120-Hz predictions arrive while its executor does not spin,
+    streams' readers do (STREAM_QOS): here 1.5 s of 120-Hz predictions arrive while its executor does not spin,
     as when the graph's one executor thread is held up. A reader of depth 32 (PREDICTION_QOS) kept 32 of the 180
     here (stop 35), and the test failed."""
     from rclpy.executors import SingleThreadedExecutor

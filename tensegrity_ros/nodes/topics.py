@@ -50,13 +50,8 @@ STREAM_QOS_BEST_EFFORT = _qos(STREAM_DEPTH, reliable=False)
 #: after the executor ran late it takes the newest state, not the oldest of a queue it would drain one per wake
 LATEST_QOS = _qos(1)
 #: predictions (large messages): reliable, shorter queue (the predictor's publisher, and consumers that act on the
-#: newest prediction)
+#: newest prediction; the graph's monitor, which counts every one, reads them with STREAM_QOS)
 PREDICTION_QOS = _qos(32)
-#: a reader that counts every prediction (the graph's monitor): as deep as the streams' queues, so that an executor
-#: running late for the seconds the streams tolerate does not overflow it. With 32 (0.27 s of predictions at 120 Hz)
-#: it kept 32 of the 180 predictions sent during a 1.5-s stall of its executor, and counted the rest as lost
-#: (test_nodes_common.py).
-PREDICTION_READER_QOS = _qos(STREAM_DEPTH)
 #: identified parameter sets: reliable and latched (a late subscriber gets the recent sets, the last one current)
 LATCHED_QOS = _qos(10, latched=True)
 DIAG_QOS = _qos(32)
