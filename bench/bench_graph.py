@@ -42,7 +42,7 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True,
         predictor_process: bool = False) -> dict:
     """robot_process: the simulated robot (twin, emulated bus, driver) in a process of its own (default, as the
     demo runs it), else in the graph's; predictor_process: the state predictor in one of its own too."""
-    from tensegrity_ros.bringup import (GraphConfig, build_graph, delivery, delivery_totals, drain, graph_health,
+    from tensegrity_ros.bringup import (GraphConfig, build_graph, delivery, delivery_summary, drain, graph_health,
                                         stop_sources)
 
     # the demo's priorities: the simulated robot above the graph's callbacks, both above the compute workers
@@ -79,7 +79,6 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True,
         st = robot["driver"]
         pr = graph.predictor()     # latency statistics: the last 20,000 predictions (~170 s at 120 Hz)
         deliv = delivery(graph, wall)
-        totals = delivery_totals(deliv)
         health = graph_health(graph, wall)
         result = {
             "health": health.as_dict(),
@@ -96,15 +95,13 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True,
             "identifier_update_s_p50": _pct(idn.update_time, 50, 1.0),
             "identifier_update_s_p99": _pct(idn.update_time, 99, 1.0),
             "identifier": dict(idn.stats),
-            # every message of a rate-driven stream not delivered (expected = rate x duration), lost anywhere
-            "dropped_messages": totals["not_delivered"],
-            "lost_messages": totals["lost"],              # published, not received: lost between nodes
-            "not_produced_messages": totals["not_produced"],   # the sources' shortfall (skipped frames)
+            # every message of a rate-driven stream not delivered (expected = rate x duration), lost between nodes or
+            # never produced by its source, and whether every stream was complete
+            **delivery_summary(deliv, delivered),
             "queue_drops": drops,
             # lost on ANY subscription (every topic, every subscriber: sequence gaps or published - received);
             # lost_messages above counts only the rate streams, at their least-served consumer
             "queue_drops_total": graph.total_dropped(drops),
-            "all_delivered": bool(delivered) and totals["complete"],
             "messages": graph.received(), "published": graph.published_counts(),
             "rates_hz": {"mocap": ing.frames / wall, "driver_loop": st.get("loop_rate_hz"),
                          "motor_states": graph.received().get("/tensegrity/motor_states", 0) / wall},

@@ -861,14 +861,15 @@ def delivery(graph: Graph, duration_s: float) -> Dict[str, Dict[str, float]]:
     return out
 
 
-def delivery_totals(deliv: Mapping[str, Mapping[str, float]]) -> Dict[str, int]:
-    """Over :func:`delivery`'s streams: messages not delivered (expected - received, lost anywhere), of them
-    ``lost`` between nodes (published, not received) and ``not_produced`` by their sources; ``complete``: every
-    stream delivered its rate x duration."""
-    return {"not_delivered": int(sum(max(0, d["expected"] - d["received"]) for d in deliv.values())),
-            "lost": int(sum(d["lost"] for d in deliv.values())),
-            "not_produced": int(sum(d["not_produced"] for d in deliv.values())),
-            "complete": all(d["received"] >= d["expected"] for d in deliv.values())}
+def delivery_summary(deliv: Mapping[str, Mapping[str, float]], drained: bool) -> Dict[str, Any]:
+    """The summary keys the demo and the graph bench write over :func:`delivery`'s streams: ``dropped_messages``
+    (not delivered: expected - received, lost anywhere), of them ``lost_messages`` between nodes (published, not
+    received) and ``not_produced_messages`` by their sources; ``all_delivered``: the queues drained (``drained``,
+    :func:`drain`'s result) and every stream delivered its rate x duration."""
+    return {"dropped_messages": int(sum(max(0, d["expected"] - d["received"]) for d in deliv.values())),
+            "lost_messages": int(sum(d["lost"] for d in deliv.values())),
+            "not_produced_messages": int(sum(d["not_produced"] for d in deliv.values())),
+            "all_delivered": bool(drained) and all(d["received"] >= d["expected"] for d in deliv.values())}
 
 
 def health_figures(graph: Graph, duration_s: float) -> Dict[str, float]:

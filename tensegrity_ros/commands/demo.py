@@ -347,10 +347,9 @@ def summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_r
     set_errors = [float(np.median(list(parameter_errors(p.as_dict(), truth, est_names).values())))
                   for p in mon.parameter_sets]
     worse = sum(1 for a, b in zip(set_errors, set_errors[1:]) if b > a)
-    from ..bringup import delivery, delivery_totals, graph_health
+    from ..bringup import delivery, delivery_summary, graph_health
 
     deliv = delivery(graph, duration)
-    totals = delivery_totals(deliv)
     health = graph_health(graph, duration, {"accepted_worse_than_previous": worse}, sections=("graph", "demo"))
     realized, recent = pr.realized.whole_run(), pr.realized.per_step()
     k_1s = min(int(round(1.0 / pr.dt)), realized.size) - 1
@@ -393,12 +392,10 @@ def summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_r
                                   "compute_p50": _pct(pr.compute, 50)},
         "predictions_per_node_state": pr.predictions_per_node_state(),
         "relinearize_ms_p50": _pct(pr.lin_time, 50),
-        # every message of a rate-driven stream not delivered (expected = rate x duration), lost anywhere
-        "dropped_messages": totals["not_delivered"],
-        "lost_messages": totals["lost"],              # published, not received: lost between nodes
-        "not_produced_messages": totals["not_produced"],   # the sources' shortfall (skipped frames)
+        # every message of a rate-driven stream not delivered (expected = rate x duration), lost between nodes or
+        # never produced by its source, and whether every stream was complete
+        **delivery_summary(deliv, drained),
         "queue_drops": queue_drops,      # of those, the ones a subscriber saw as sequence gaps
-        "all_delivered": bool(drained) and totals["complete"],
         "messages": graph.received(),
         "rates": {"mocap_hz": ing.frames / duration if duration else math.nan,
                   "driver_loop_hz": drv.get("loop_rate_hz"), "driver_cycles": drv.get("cycles"),
