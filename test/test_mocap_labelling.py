@@ -251,6 +251,34 @@ def test_ingest_entry_point(fixed_run):
     assert occluded.plate_poses["C0"] is None and not occluded.valid[0]
 
 
+def test_a_recording_comes_out_in_one_transform():
+    """ingest_markers (identify's path) returns every frame in the labeller's final mocap->structure transform,
+    the first second too, which the labeller tracks in the transform registered on a single frame until its
+    automatic refresh (``auto_refresh_frames``). At 1 mm of marker noise that registration is millimetres off
+    (live, which publishes frames as they come, keeps that); offline the first second must not sit there."""
+    s = fixed_icosahedron()
+    names, t, X = motion(s, 240)
+    frames, _, _ = observe(X, seed=3)
+    rng = np.random.default_rng(13)
+    frames = [f + rng.normal(0, 1e-3, f.shape) for f in frames]          # ~1 mm of noise in all
+    cfg = IngestConfig(labeller=LabellerConfig(initial_transform=GUESS))
+    n0 = cfg.labeller.auto_refresh_frames
+
+    def bias_mm(P, sl):
+        """The largest systematic error of a node over the frames ``sl``: its mean error's norm, mm."""
+        return 1e3 * float(np.max(np.linalg.norm(np.nanmean(P[sl] - X[sl], axis=0), axis=1)))
+
+    live = MocapIngest(s, cfg)
+    P_live = np.stack([live.add_frame(tk, m).positions for tk, m in zip(t, frames)])
+    first, rest = slice(0, n0), slice(n0, None)
+    assert bias_mm(P_live, first) > 3 * bias_mm(P_live, rest), (bias_mm(P_live, first), bias_mm(P_live, rest))
+    series = ingest_markers(s, t, frames, cfg)
+    assert bias_mm(series.positions, first) < min(0.8, 1.5 * bias_mm(series.positions, rest)), \
+        (bias_mm(series.positions, first), bias_mm(series.positions, rest))
+    np.testing.assert_allclose(series.positions[rest], P_live[rest], rtol=0, atol=1e-12)   # the rest as live
+    assert np.array_equal(series.valid, ~np.isnan(series.positions).any(axis=2))
+
+
 def test_stacked_manipulator_static_if_present():
     """The stacked manipulator: 24 marker nodes (virtual plate duplicates skipped),
     3-fold symmetric, so it needs the guess; three occluded nodes come back; the seed's plate frames."""
