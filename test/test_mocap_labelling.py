@@ -252,10 +252,11 @@ def test_ingest_entry_point(fixed_run):
 
 
 def test_a_recording_comes_out_in_one_transform():
-    """ingest_markers (identify's path) returns every frame in the labeller's final mocap->structure transform,
-    the first second too, which the labeller tracks in the transform registered on a single frame until its
-    automatic refresh (``auto_refresh_frames``). At 1 mm of marker noise that registration is millimetres off
-    (live, which publishes frames as they come, keeps that); offline the first second must not sit there."""
+    """The registration is made on a single frame; at 1 mm of marker noise it is millimetres off at the nodes far
+    from the fixed ones. Live, the labeller re-fits it on the fixed nodes' mean position at every frame until
+    ``auto_refresh_frames`` (until stop 36: once, at that frame, so the whole first second sat in the single
+    frame's transform, 4.9 mm off here). Offline, ingest_markers (identify's path) re-expresses every frame in the
+    final transform, the first ones too."""
     s = fixed_icosahedron()
     names, t, X = motion(s, 240)
     frames, _, _ = observe(X, seed=3)
@@ -270,13 +271,15 @@ def test_a_recording_comes_out_in_one_transform():
 
     live = MocapIngest(s, cfg)
     P_live = np.stack([live.add_frame(tk, m).positions for tk, m in zip(t, frames)])
-    first, rest = slice(0, n0), slice(n0, None)
-    assert bias_mm(P_live, first) > 3 * bias_mm(P_live, rest), (bias_mm(P_live, first), bias_mm(P_live, rest))
     series = ingest_markers(s, t, frames, cfg)
-    assert bias_mm(series.positions, first) < min(0.8, 1.5 * bias_mm(series.positions, rest)), \
-        (bias_mm(series.positions, first), bias_mm(series.positions, rest))
-    np.testing.assert_allclose(series.positions[rest], P_live[rest], rtol=0, atol=1e-12)   # the rest as live
-    assert np.array_equal(series.valid, ~np.isnan(series.positions).any(axis=2))
+    P_off = series.positions
+    first12, first, rest = slice(0, 12), slice(0, n0), slice(n0, None)
+    assert bias_mm(P_live, first) < 1.0, bias_mm(P_live, first)                   # 4.9 mm with one refresh
+    # the first frames, live, are in transforms averaged over only a few frames; offline, in the final one
+    assert bias_mm(P_live, first12) > 2 * bias_mm(P_off, first12), (bias_mm(P_live, first12), bias_mm(P_off, first12))
+    assert bias_mm(P_off, first) < min(0.8, 1.5 * bias_mm(P_off, rest)), (bias_mm(P_off, first), bias_mm(P_off, rest))
+    np.testing.assert_allclose(P_off[rest], P_live[rest], rtol=0, atol=1e-12)      # after the last re-fit: as live
+    assert np.array_equal(series.valid, ~np.isnan(P_off).any(axis=2))
 
 
 def test_stacked_manipulator_static_if_present():
