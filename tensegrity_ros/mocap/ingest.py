@@ -155,15 +155,16 @@ def ingest_markers(structure: Structure, times, markers: Sequence, config: Inges
     and accelerations come from :func:`smooth_derivatives` on the labelled positions (offline, no lag) instead
     of the online filter. Frames before the registration are kept, all invalid.
 
-    Every frame is returned in ONE mocap->structure transform, the labeller's at the end. The frames before the
-    labeller's automatic refresh (``LabellerConfig.auto_refresh_frames``: the first second at 120 Hz) are tracked
-    in the transform registered on a single noisy frame, which live ingest has to publish as it is; offline there is
-    no reason to keep them so. Kept as labelled (until stop 36), that first second of the generality suite's
-    recordings (1 mm of noise, seed 0) sat in a frame 3.4-10.6 mrad off the refreshed one, its nodes up to 1.9 mm
-    (the prism), 5.5 mm (the tower) and 5.9 mm (the icosahedron) from where the rest of the recording puts them. No start state of the engine can follow that: on the icosahedron, 1-s windows starting in that
-    second were predicted from the TRUE parameters with 4.6-5.3 mm RMS against 3.3-3.7 mm for the median window
-    (1.8 mm once re-expressed), and with the window grid moved by one sample, the first one was fitted at 4.39 mm
-    against 1.8 mm and made the model check flag a right model.
+    Every frame is returned in ONE mocap->structure transform, the labeller's at the end. The labeller registers
+    on a single frame and re-fits the transform on the fixed nodes' mean over the first ``auto_refresh_frames``
+    frames (live ingest publishes those frames in the transforms of their time); offline there is no reason to
+    leave them there. Kept as labelled in the single frame's transform (until stop 36), the first second of the
+    generality suite's recordings (1 mm of noise, seed 0) sat 3.4-10.6 mrad off, its nodes up to 1.9 mm (the
+    prism), 5.5 mm (the tower) and 5.9 mm (the icosahedron) from where the rest of the recording puts them. No
+    start state of the engine can follow that: on the icosahedron, 1-s windows starting in that second were
+    predicted from the TRUE parameters with 4.6-5.3 mm RMS against 3.3-3.7 mm for the median window (1.8 mm once
+    re-expressed), and with the window grid moved by one sample, the first one was fitted at 4.39 mm against
+    1.8 mm and made the model check flag a right model.
     """
     times = np.asarray(times, dtype=float)
     if len(markers) != times.shape[0]:

@@ -78,8 +78,8 @@ PARAMS = (
               range=(1e-4, 1.0), read_only=True),
     ParamSpec("registration_timeout_s", _L.registration_timeout_s, "report an error after this long without a "
               "registration [s]", range=(0.0, 600.0), read_only=True),
-    ParamSpec("auto_refresh_frames", 120, "re-fit the transform on the fixed nodes' mean position at every frame until this many frames (0 = never)",
-              range=(0, 100000), read_only=True),
+    ParamSpec("auto_refresh_frames", 120, "re-fit the transform on the fixed nodes' mean position at every frame "
+              "until this many frames (0 = never)", range=(0, 100000), read_only=True),
     ParamSpec("measurement_std_m", _K.measurement_std_m, "marker noise for the velocity filter [m]",
               range=(1e-6, 0.1), read_only=True),
     ParamSpec("accel_psd", _K.accel_psd, "velocity filter process noise [m^2/s^3]", range=(1e-9, 1e3),
