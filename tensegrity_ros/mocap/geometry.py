@@ -20,6 +20,13 @@ def rotation_angle(R: np.ndarray) -> float:
     return float(np.arccos(np.clip((np.trace(R) - 1.0) / 2.0, -1.0, 1.0)))
 
 
+def transform_change(old: Tuple[np.ndarray, np.ndarray], new: Tuple[np.ndarray, np.ndarray]):
+    """(A, b) with x_new = A x_old + b for two mocap->structure transforms (R, t) of the same mocap points
+    (p_structure = R p_mocap + t): A = R_new R_old^T, b = t_new - A t_old. Velocities map by A alone."""
+    A = new[0] @ old[0].T
+    return A, new[1] - A @ old[1]
+
+
 def as_transform(value) -> Optional[Tuple[np.ndarray, np.ndarray]]:
     """(R, t) from None, a 4x4 homogeneous matrix or an (R, t) pair."""
     if value is None:

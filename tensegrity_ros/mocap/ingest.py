@@ -20,6 +20,7 @@ import numpy as np
 from ..frames import FRAME_NODES, triangle_frame
 from ..model import Structure
 from .filtering import ConstantVelocityKF, KalmanConfig, smooth_derivatives
+from .geometry import transform_change
 from .labelling import LabelledFrame, LabellerConfig, MarkerLabeller
 
 __all__ = ["IngestConfig", "NodeStateSample", "NodeStateSeries", "MocapIngest", "ingest_markers", "PlatePoses"]
@@ -122,8 +123,7 @@ class MocapIngest:
         after = self.labeller.transform
         if before is not None and after is not None and not (
                 np.array_equal(before[0], after[0]) and np.array_equal(before[1], after[1])):
-            A = after[0] @ before[0].T  # an automatic refresh happened inside the labeller
-            self._kf.transform(A, after[1] - A @ before[1])
+            self._kf.transform(*transform_change(before, after))   # a refresh happened inside the labeller
         self.last_frame = frame
         out = self._kf.update(frame.stamp, frame.positions, frame.valid)
         poses = self.plate_poses(frame.names, frame.positions, frame.valid) if frame.registered else {}
@@ -187,14 +187,13 @@ def ingest_markers(structure: Structure, times, markers: Sequence, config: Inges
 
 def _to_final_transform(P: np.ndarray, V: np.ndarray, labelled_in: Sequence, final) -> None:
     """Re-express, in place, the frames k whose positions P[k] (N, 3) and velocities V[k] were labelled in
-    another mocap->structure transform than ``final`` (R, t): p' = A p + b, v' = A v, with A = R_f R_k^T and
-    b = t_f - A t_k (both map the same mocap points). NaN stays NaN."""
+    another mocap->structure transform than ``final`` (R, t): p' = A p + b, v' = A v
+    (:func:`.geometry.transform_change`). NaN stays NaN."""
     if final is None:
         return
-    Rf, tf = final
     for k, tr in enumerate(labelled_in):
-        if tr is None or (np.array_equal(tr[0], Rf) and np.array_equal(tr[1], tf)):
+        if tr is None or (np.array_equal(tr[0], final[0]) and np.array_equal(tr[1], final[1])):
             continue
-        A = Rf @ tr[0].T
-        P[k] = P[k] @ A.T + (tf - A @ tr[1])
+        A, b = transform_change(tr, final)
+        P[k] = P[k] @ A.T + b
         V[k] = V[k] @ A.T

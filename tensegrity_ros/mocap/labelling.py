@@ -62,7 +62,8 @@ from scipy.spatial.distance import cdist
 
 from ..model import Structure
 from .filtering import ConstantVelocityKF, KalmanConfig
-from .geometry import MarkerTopology, as_transform, fit_rigid_transform, marker_topology, rotation_angle
+from .geometry import (MarkerTopology, as_transform, fit_rigid_transform, marker_topology, rotation_angle,
+                       transform_change)
 
 __all__ = ["LabellerConfig", "LabelledFrame", "MarkerLabeller", "MocapError", "NoMatchError",
            "AmbiguousMatchError", "Registration", "register_markers"]
@@ -533,8 +534,7 @@ class MarkerLabeller:
                                  f"(need 3)")
             src, dst = self._last_mocap[ok], X[ok]
         R, t = fit_rigid_transform(src, dst)
-        A = R @ self._R.T
-        b = t - A @ self._t
+        A, b = transform_change((self._R, self._t), (R, t))
         self._kf.transform(A, b)
         self._snapshot = self._snapshot @ A.T + b
         self._R, self._t = R, t
