@@ -18,7 +18,7 @@ import yaml
 from tensegrity_ros.engine import make_engine
 from tensegrity_ros.ident import IdentifyOptions, add_marker_noise, identify
 from tensegrity_ros.ident.heldout import compare_on_held_out, prior_dominated, reserve_held_out
-from tensegrity_ros.ident.uncertainty import _prior_bias_outer, _unshrunk_scores
+from tensegrity_ros.ident.uncertainty import _prior_bias_outer
 from tensegrity_ros.ident.synthetic import simulate_dataset, twin_dataset
 from tensegrity_ros.model import structure_from_dict
 from tensegrity_ros.param_names import kind_of
@@ -215,26 +215,6 @@ def test_prior_dominated_and_held_out_check_functions():
     assert better.verdict == "better" and worse.verdict == "worse"
     assert better.fit_rms_m < better.prior_rms_m
     assert compare_on_held_out(None, p_true, p_nom).verdict == "not_checked"
-
-
-def test_unshrunk_window_scores_are_the_leave_one_window_out_fits():
-    """_unshrunk_scores on a linear least-squares fit: H^-1 (I - H_k H^-1)^-1 g_k is exactly the change of the
-    estimate when window k is left out (so the block sandwich is the jackknife's variance)."""
-    rng = np.random.default_rng(0)
-    G, n, p = 12, 30, 4
-    X = rng.normal(size=(G, n, p)) * np.linspace(0.3, 2.0, G)[:, None, None]    # unequal windows
-    y = X @ rng.normal(size=p) + rng.normal(size=(G, n))
-    Hk = np.einsum("gri,grj->gij", X, X)
-    H = Hk.sum(0)
-    est = np.linalg.solve(H, np.einsum("gri,gr->i", X, y))
-    score = np.einsum("gri,gr->gi", X, np.einsum("gri,i->gr", X, est) - y)       # J^T r, r = model - data
-    ev, V = np.linalg.eigh(H)
-    moved = _unshrunk_scores(score, Hk, V, ev) @ np.linalg.inv(H)
-    for k in range(G):
-        keep = np.arange(G) != k
-        loo = np.linalg.solve(Hk[keep].sum(0), np.einsum("gri,gr->i", X[keep], y[keep]))
-        np.testing.assert_allclose(moved[k], loo - est, rtol=1e-9, atol=1e-12)
-    assert not np.allclose(score @ np.linalg.inv(H), moved, rtol=0.05)           # the correction is not nothing
 
 
 def test_the_priors_bias_estimate_is_unshrunk():

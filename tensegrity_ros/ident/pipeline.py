@@ -676,16 +676,10 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                         timings["model_check"] = time.perf_counter() - ts
                     if opts.prior_dominated_ratio is not None and fopts.prior_std:
                         centre_values = {n: float(v) for n, v in centre.named().items()}
-                        # whether the data determine a parameter is a question of information: judged on the
-                        # residual-scaled sigma, without the prior's bias (which grows where the data move the
-                        # estimate off the prior) and without the window-block estimate (with 16 windows for ~30
-                        # parameters a noisy one: on the 12-s tower its leave-one-window-out correction alone, +0.3 %,
-                        # tipped a damping that the data had moved half its prior sigma towards the truth back
-                        # onto the prior)
+                        # whether the data determine a parameter is a question of information: judged on sigma
+                        # without the prior's pull (which grows where the data move the estimate off the prior)
                         pull = calibration.get("prior_pull", {})
-                        block = calibration.get("block_over_white", {})
-                        spread = {n: math.sqrt(max(v ** 2 - pull.get(n, 0.0) ** 2, 0.0)) / max(1.0, block.get(n, 1.0))
-                                  for n, v in std.items()}
+                        spread = {n: math.sqrt(max(v ** 2 - pull.get(n, 0.0) ** 2, 0.0)) for n, v in std.items()}
                         dominated = prior_dominated(spread, centre_values, fopts.prior_std, opts.prior_dominated_ratio)
                         if dominated:
                             params = params.with_values({n: centre_values[n] for n in dominated})

@@ -150,18 +150,18 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
 
     with window_workers(sub, prob.opts.workers):
         rsub, Jw, Je = sub.jacobian_blocks(w, x0s, jacobian)           # (Bs, R), (Bs, R, n_w), (Bs, R, ne)
-    Hk = torch.einsum("bri,brj->bij", Jw, Jw)                        # (Bs, n_w, n_w) per-window information
+    Hww = torch.einsum("bri,brj->ij", Jw, Jw)
     score = torch.einsum("bri,br->bi", Jw, rsub)                       # (Bs, n_w) per-window score J_w^T r
     if Je is not None:
         Hwe = torch.einsum("bri,brj->bij", Jw, Je)
         Hee = torch.einsum("bri,brj->bij", Je, Je)
         Heep = torch.linalg.pinv(Hee, hermitian=True)
-        Hk = Hk - torch.einsum("bij,bjk,blk->bil", Hwe, Heep, Hwe)
+        Hww = Hww - torch.einsum("bij,bjk,blk->il", Hwe, Heep, Hwe)
         # the score with each window's start eliminated (Schur): J_w^T r - H_we H_ee^+ J_e^T r
         score = score - torch.einsum("bij,bjk,bk->bi", Hwe, Heep, torch.einsum("brk,br->bk", Je, rsub))
-    Hk = 0.5 * (Hk + Hk.transpose(1, 2))
-    Hww = Hk.sum(dim=0) * scale
+    Hww = 0.5 * (Hww + Hww.T) * scale
     Hdata = Hww.detach().cpu().double().numpy()
+    meat_block = scale * (score.T @ score).detach().cpu().double().numpy()   # sum over windows of g_k g_k^T
     # noise level
     n_res = 3 * prob.n_obs
     n_unknown = n_w + (ne * B_all if x0 is not None else 0)
@@ -201,12 +201,6 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
         # its covariance H^-1 (meat + sigma^2 P) H^-1 (P in units of J^T J, i.e. sigma^2 x the prior precision).
         # "white": meat = s_res^2 x the data information (the residual's actual size, independent samples);
         # "block": meat = sum_k g_k g_k^T (windows independent, samples within a window correlated as they are).
-        # Each g_k is taken at the estimate, which window k itself pulled towards its own noise: g_k is shrunk
-        # by (I - H_k H^-1), and so is the block meat (most where a few windows carry a parameter's information).
-        # Undone as the jackknife does (leave-one-window-out, "CR3"): g_k / (I - H_k H^-1); see _unshrunk_scores.
-        gk = _unshrunk_scores(score.detach().cpu().double().numpy(), Hk.detach().cpu().double().numpy(),
-                              V[:, keep], ev[keep])
-        meat_block = scale * (gk.T @ gk)                                   # sum over windows of g_k g_k^T
         calib["white"] = Hinv @ ((s_res ** 2) * Hdata + (sigma ** 2) * Pw) @ Hinv
         calib["block"] = Hinv @ (meat_block + (sigma ** 2) * Pw) @ Hinv
         # The prior term above is the prior's bias averaged over truths the prior could hold. For THIS robot the
@@ -321,32 +315,6 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     return Covariance(names=out_names, cov=cov, std_devs=std, identifiability=ident, identifiable=identifiable,
                       ratios=ratios, weak_directions=weak, sigma_m=float(sigma), gauge=gauge_desc, notes=notes,
                       calibration=calibration)
-
-
-#: the largest leverage a window may have along any direction in :func:`_unshrunk_scores` (1: one window alone
-#: carries that direction, and leaving it out leaves nothing; clipped so the score is scaled up by at most 10x)
-MAX_WINDOW_LEVERAGE = 0.9
-
-
-def _unshrunk_scores(score: np.ndarray, Hk: np.ndarray, V: np.ndarray, ev: np.ndarray) -> np.ndarray:
-    """Each window's score with its own pull on the estimate undone: (I - H_k H^-1)^-1 g_k, per window k.
-
-    score: (B, n) the windows' scores at the estimate; Hk: (B, n, n) their information (window starts
-    eliminated); V, ev: the total information H's kept eigenvectors and eigenvalues (prior included). In H's
-    whitened coordinates the window's leverage M_k = e^-1/2 V^T H_k V e^-1/2 is symmetric with eigenvalues in
-    [0, 1): (I - H_k H^-1)^-1 = V e^1/2 (I - M_k)^-1 e^-1/2 V^T on H's range. For a linear least-squares fit this
-    is the leave-one-window-out score, whose sandwich is the jackknife's variance (the cluster-robust "CR3").
-    """
-    if not ev.size:
-        return score
-    s = np.sqrt(ev)
-    Vs = V / s                                                          # V e^-1/2
-    u = score @ Vs                                                      # (B, k) e^-1/2 V^T g
-    M = np.einsum("ai,bij,jc->bac", Vs.T, Hk, Vs)
-    lam, Q = np.linalg.eigh(0.5 * (M + M.transpose(0, 2, 1)))
-    lam = np.clip(lam, 0.0, MAX_WINDOW_LEVERAGE)
-    u = np.einsum("bij,bj->bi", Q, np.einsum("bji,bj->bi", Q, u) / (1.0 - lam))
-    return (u * s) @ V.T
 
 
 #: the largest share of a direction's information that the prior may hold for :func:`_prior_bias_outer` to undo the
