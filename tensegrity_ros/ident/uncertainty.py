@@ -347,7 +347,7 @@ def _prior_bias_outer(V: np.ndarray, ev: np.ndarray, Pw: np.ndarray, g_prior: np
     lam, Q = np.linalg.eigh(0.5 * (S + S.T))
     lam = np.clip(lam, 0.0, 1.0)
     undo = lam <= MAX_PRIOR_SHARE                   # beyond: the plug-in as it is, shrunk (stop 35's term)
-    gain = np.where(undo, 1.0 / (1.0 - np.where(undo, lam, 0.0)), 1.0)
+    gain = 1.0 / (1.0 - np.where(undo, lam, 0.0))                       # 1 where not undone
     b = Q @ (gain * (Q.T @ (W.T @ g_prior)))                             # sign irrelevant: b b^T
     bb = np.outer(b, b) - noise_var * (Q * np.where(undo, lam ** 2 * gain, 0.0)) @ Q.T
     e, U = np.linalg.eigh(0.5 * (bb + bb.T))

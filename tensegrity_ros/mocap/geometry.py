@@ -20,6 +20,12 @@ def rotation_angle(R: np.ndarray) -> float:
     return float(np.arccos(np.clip((np.trace(R) - 1.0) / 2.0, -1.0, 1.0)))
 
 
+def same_transform(a: Optional[Tuple[np.ndarray, np.ndarray]], b: Optional[Tuple[np.ndarray, np.ndarray]]) -> bool:
+    """Whether two mocap->structure transforms (R, t) are the same one, bit for bit (a re-fit always moves them);
+    False when either is None."""
+    return a is not None and b is not None and np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
 def transform_change(old: Tuple[np.ndarray, np.ndarray], new: Tuple[np.ndarray, np.ndarray]):
     """(A, b) with x_new = A x_old + b for two mocap->structure transforms (R, t) of the same mocap points
     (p_structure = R p_mocap + t): A = R_new R_old^T, b = t_new - A t_old. Velocities map by A alone."""

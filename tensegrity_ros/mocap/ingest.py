@@ -20,7 +20,7 @@ import numpy as np
 from ..frames import FRAME_NODES, triangle_frame
 from ..model import Structure
 from .filtering import ConstantVelocityKF, KalmanConfig, smooth_derivatives
-from .geometry import transform_change
+from .geometry import same_transform, transform_change
 from .labelling import LabelledFrame, LabellerConfig, MarkerLabeller
 
 __all__ = ["IngestConfig", "NodeStateSample", "NodeStateSeries", "MocapIngest", "ingest_markers", "PlatePoses"]
@@ -121,8 +121,7 @@ class MocapIngest:
         before = self.labeller.transform
         frame = self.labeller.add_frame(stamp, markers)
         after = self.labeller.transform
-        if before is not None and after is not None and not (
-                np.array_equal(before[0], after[0]) and np.array_equal(before[1], after[1])):
+        if before is not None and after is not None and not same_transform(before, after):
             self._kf.transform(*transform_change(before, after))   # a refresh happened inside the labeller
         self.last_frame = frame
         out = self._kf.update(frame.stamp, frame.positions, frame.valid)
@@ -192,7 +191,7 @@ def _to_final_transform(P: np.ndarray, V: np.ndarray, labelled_in: Sequence, fin
     if final is None:
         return
     for k, tr in enumerate(labelled_in):
-        if tr is None or (np.array_equal(tr[0], final[0]) and np.array_equal(tr[1], final[1])):
+        if tr is None or same_transform(tr, final):
             continue
         A, b = transform_change(tr, final)
         P[k] = P[k] @ A.T + b

@@ -36,6 +36,7 @@ from std_srvs.srv import Trigger
 from tf2_msgs.msg import TFMessage
 
 from ..mocap import IngestConfig, KalmanConfig, LabellerConfig, MocapError, MocapIngest
+from ..mocap.geometry import rotation_angle, same_transform
 from ..model import load_structure
 from . import _common as C
 from ._common import ParamSpec
@@ -169,8 +170,7 @@ class MocapIngestNode(C.GraphNode):
     def _publish_registration(self, stamp: float) -> None:
         """mocap -> structure on /tf_static when the registration is new or has changed (latched)."""
         tr = self.ingest.transform
-        if tr is None or (self.registration_sent is not None and all(
-                np.array_equal(a, b) for a, b in zip(tr, self.registration_sent))):
+        if tr is None or same_transform(tr, self.registration_sent):
             return
         self.registration_sent = tr
         parent = self.p["mocap_frame_id"] or self.mocap_frame or "mocap"
@@ -198,7 +198,7 @@ class MocapIngestNode(C.GraphNode):
         with self._lock:
             R, t = self.ingest.refresh_transform()
             self.refreshes += 1
-        angle = np.degrees(np.arccos(np.clip((np.trace(R) - 1) / 2, -1, 1)))
+        angle = np.degrees(rotation_angle(R))
         return f"transform refreshed: rotation {angle:.2f} deg, translation {np.round(t, 4).tolist()} m"
 
     def _on_refresh_srv(self, request, response):
