@@ -54,11 +54,8 @@ from tensegrity_ros.validation.scoring import (COVERAGE_TARGET, DISPLAY_UNITS, T
                                               Z_RMS_RANGE, format_row, score)
 
 OUT = REPO_ROOT / "build" / "bench"
-#: seconds recorded per structure. 24, not 12 (until stop 29): identify's last rung now uses windows in proportion
-#: to the recording (``1.0:auto:10``), and with 24 s the dampings, information-limited at 12 s, met their target
-#: on five of the six structure-seeds (seeds 0 and 1; at 12 s: two of six), and the truths inside +-2 sigma were
-#: 91-100 % (82-100 %). Cost: ~60 s of identify per structure instead of ~45 s.
-DURATION_S = 24.0
+#: seconds recorded per structure (``independent.SUITE_DURATION_S``: the test suite records the same)
+DURATION_S = I.SUITE_DURATION_S
 #: the lab's flags after ``--noise-mm`` (which states the recording's marker noise, 1 mm unless ``--noise-mm``)
 LAB_FLAGS = ["--estimate-delay", "--prior-std", "stiffness=0.2,damping=0.2,mass=0.02,rest_length=0.002"]
 
@@ -77,7 +74,8 @@ def _identify(rec: Path, model: Path, out: Path, extra: Sequence[str], noise_mm:
 
 
 def run(structures: Sequence[str] = I.SUITE, seed: int = 0, duration_s: float = DURATION_S, from_truth: bool = False,
-        extra: Sequence[str] = (), wrong_law: bool = True, noise_mm: float = 1.0) -> dict:
+        extra: Sequence[str] = (), wrong_law: bool = True, noise_mm: float = 1.0,
+        occlusion: float = I.LabHabits.occlusion) -> dict:
     results = {}
     base = OUT / "generality"
     for name in structures:
@@ -85,7 +83,7 @@ def run(structures: Sequence[str] = I.SUITE, seed: int = 0, duration_s: float = 
         print(f"--- {name}: recording {duration_s:g} s of the independent model (seed {seed})", flush=True)
         t0 = time.perf_counter()
         info = I.record(I.load_suite_structure(name), rec, seed=seed, duration_s=duration_s,
-                        habits=dataclasses.replace(I.LabHabits(), noise_mm=noise_mm))
+                        habits=dataclasses.replace(I.LabHabits(), noise_mm=noise_mm, occlusion=occlusion))
         print(f"    {time.perf_counter() - t0:.1f} s; excursion {info['node_excursion_mm']:.1f} mm, tension "
               f"{info['min_tension_N']:.1f}-{info['max_tension_N']:.1f} N, slack {info['slack_strings']}", flush=True)
         truth, nominal = load_structure(rec / "truth.yaml"), load_structure(rec / "nominal.yaml")
@@ -116,7 +114,7 @@ def run(structures: Sequence[str] = I.SUITE, seed: int = 0, duration_s: float = 
                   f"{wl['mismatch_flagged']} ({wl['wall_s']:.0f} s)", flush=True)
         results[name] = entry
     res = {"seed": seed, "duration_s": duration_s, "structures": results, "targets": TARGETS,
-           "coverage_target": COVERAGE_TARGET, "noise_mm": noise_mm,
+           "coverage_target": COVERAGE_TARGET, "noise_mm": noise_mm, "occlusion": occlusion,
            "lab_flags": ["--noise-mm", f"{noise_mm:g}"] + LAB_FLAGS + list(extra)}
     laws = [e for e in results.values() if "wrong_law" in e]
     if laws:        # [flagged, of] structures: the swapped file should be flagged everywhere, the right one nowhere
@@ -212,6 +210,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--from-truth", action="store_true", help="also identify from the true parameters")
     ap.add_argument("--noise-mm", type=float, default=1.0,
                     help="marker noise of the recordings, std [mm] (default: 1.0, item 6's lab); identify is told it")
+    ap.add_argument("--occlusion", type=float, default=I.LabHabits.occlusion,
+                    help="fraction of the markers missing from each mocap frame, drawn independently (default: "
+                         f"{I.LabHabits.occlusion:g}, item 6's lab)")
     ap.add_argument("--no-wrong-law", action="store_true",
                     help="skip identifying each structure again with its actuated strings' law swapped (the "
                          "string-law check's test: it should say so)")
@@ -225,8 +226,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.perf_counter()
     if not args.noise_mm > 0:
         ap.error(f"--noise-mm {args.noise_mm}: the marker noise must be > 0 mm (identify weighs the data by it)")
+    if not 0 <= args.occlusion < 1:
+        ap.error(f"--occlusion {args.occlusion}: a fraction in [0, 1)")
     res = run(names, args.seed, args.duration, args.from_truth, args.identify_arg, wrong_law=not args.no_wrong_law,
-              noise_mm=args.noise_mm)
+              noise_mm=args.noise_mm, occlusion=args.occlusion)
     res["wall_s"] = time.perf_counter() - t0
     missed = res["missed"]
     OUT.mkdir(parents=True, exist_ok=True)

@@ -182,3 +182,34 @@ def test_levenberg_marquardt_stops_once_within_chi2_of_the_minimum(pendulum_data
     # a noise stated 10x too large does not loosen the stop: chi^2 is counted in the residuals' own mean square
     loose = refine(s, noisy, nominal, dataclasses.replace(opts, noise_std_m=1e-2))
     assert max(h["iteration"] for h in loose.history) == iters[0.25]
+
+
+def test_a_window_starts_where_a_marker_is_missing(pendulum_data):
+    """Under occlusion most grid starts lack SOME node's marker. Such a start is estimated by the smoothing fit
+    from the node's neighbours on both sides, so the window is kept (it used to be dropped, with its second of
+    data), and that start lies where the measured one would: within the smoothing's own error."""
+    import dataclasses
+
+    from tensegrity_ros.ident.refine import RefineProblem
+    s, nominal, true, ds = pendulum_data
+    ds = dataclasses.replace(ds, velocities=None)       # as recorded: positions only
+    opts = RefineOptions(kinds=(), window_s=0.3, smooth_window_s=0.1)
+    full = RefineProblem(s, [ds], true, opts)
+    free = np.asarray(full.top.free_nodes)
+    valid = ds.valid.copy()
+    valid[5, :] = False                                 # one gap that every derivative method must step over
+    gappy = RefineProblem(s, [dataclasses.replace(ds, valid=valid)], true, opts)
+    starts = [st for _, st in gappy.window_ids]
+    assert len(starts) > 3
+    assert starts[0] == 0
+    for k, st in enumerate(starts[1:]):                 # a different free node missing at every later start
+        valid[st, free[k % len(free)]] = False
+    occluded = RefineProblem(s, [dataclasses.replace(ds, valid=valid)], true, opts)
+    assert occluded.window_ids == gappy.window_ids
+    # the filled starts against the same problem's measured ones (the same smoothing, the sample itself kept)
+    np.testing.assert_allclose(occluded.X0m.numpy(), gappy.X0m.numpy(), atol=2e-4)
+    np.testing.assert_allclose(occluded.V0m.numpy(), gappy.V0m.numpy(), atol=5e-3)
+    assert float((occluded.X0m - gappy.X0m).abs().max()) > 0          # they were estimated, not copied
+    # without neighbours on both sides (the record's first sample) nothing is filled: no window starts there
+    valid[0, free[0]] = False
+    assert RefineProblem(s, [dataclasses.replace(ds, valid=valid)], true, opts).window_ids == gappy.window_ids[1:]

@@ -115,3 +115,27 @@ def test_smooth_derivatives_exact_on_polynomials_and_shapes():
     assert d.valid.shape == (300,)
     with pytest.raises(ValueError, match="strictly increasing"):
         smooth_derivatives(t[::-1], x[:, None])
+
+
+def test_smooth_derivatives_fill_gaps_between_measured_samples_only():
+    """fill_gaps estimates an unmeasured sample from its measured neighbours on both sides (exact on a
+    polynomial of the fit's order), leaves the measured samples' estimates as they were, and never
+    extrapolates past the record's ends or across a gap wider than the window."""
+    t = np.arange(240) / 120.0
+    x = np.stack([1 + 2 * t - 3 * t ** 2 + 0.5 * t ** 3, np.sin(3 * t)], 1)[:, None, :]   # (T, 1, 2)
+    valid = np.ones((240, 1), dtype=bool)
+    valid[[50, 51, 120, 239], 0] = False             # two short gaps and the last sample
+    valid[150:190, 0] = False                          # a gap wider than the 0.2-s window
+    plain = smooth_derivatives(t, x, valid, window_s=0.2, order=3)
+    filled = smooth_derivatives(t, x, valid, window_s=0.2, order=3, fill_gaps=True)
+    assert not plain.valid[[50, 51, 120], 0].any() and np.isnan(plain.positions[50]).all()
+    assert filled.valid[[50, 51, 120], 0].all()
+    np.testing.assert_allclose(filled.positions[[50, 51, 120], 0, 0], x[[50, 51, 120], 0, 0], atol=1e-9)
+    np.testing.assert_allclose(filled.velocities[[50, 51, 120], 0, 0], (2 - 6 * t + 1.5 * t ** 2)[[50, 51, 120]],
+                               atol=1e-7)
+    # the smooth one is estimated, not reproduced: within the fit's error of a sine over 0.2 s
+    np.testing.assert_allclose(filled.positions[[50, 51, 120], 0, 1], x[[50, 51, 120], 0, 1], atol=1e-4)
+    assert not filled.valid[239, 0] and not filled.valid[165:175, 0].any()
+    assert np.array_equal(filled.valid & valid, plain.valid)
+    np.testing.assert_array_equal(filled.positions[plain.valid], plain.positions[plain.valid])
+    np.testing.assert_array_equal(filled.velocities[plain.valid], plain.velocities[plain.valid])

@@ -192,7 +192,7 @@ class Derivatives(NamedTuple):
 
 
 def derivatives(data: Dataset, method: str = "auto", *, window_s: Optional[float] = None,
-                order: int = 2) -> Derivatives:
+                order: int = 2, fill_gaps: bool = False) -> Derivatives:
     """Velocity and acceleration estimates from the positions.
 
     method:
@@ -205,6 +205,9 @@ def derivatives(data: Dataset, method: str = "auto", *, window_s: Optional[float
         :func:`tensegrity_ros.mocap.filtering.smooth_derivatives`) -- for noisy or gappy data;
       ``auto``: ``smooth`` when any sample is invalid or the stamps are irregular, else ``central``.
     ``ok`` marks samples whose estimates used only valid samples.
+    ``fill_gaps`` (``smooth`` only): unmeasured samples between measured ones are estimated too, and marked in
+    ``ok`` (:func:`~tensegrity_ros.mocap.filtering.smooth_derivatives`); ``data.valid`` still says which were
+    measured. For window starts, never for the regression's samples.
     """
     t, X, V = data.times, data.positions, data.valid
     T = data.n_samples
@@ -243,7 +246,7 @@ def derivatives(data: Dataset, method: str = "auto", *, window_s: Optional[float
     if method == "smooth":
         from ..mocap.filtering import smooth_derivatives
         w = 0.2 if window_s is None else float(window_s)
-        r = smooth_derivatives(t, X, V, window_s=w, order=max(2, order))
+        r = smooth_derivatives(t, X, V, window_s=w, order=max(2, order), fill_gaps=fill_gaps)
         return Derivatives(r.positions, r.velocities, r.accelerations, r.valid)
     raise ValueError(f"unknown derivative method {method!r} (valid: auto, semi_implicit, central, smooth)")
 

@@ -213,14 +213,19 @@ _CHUNK_ELEMENTS = 4_000_000
 
 
 def smooth_derivatives(t, x, valid=None, *, window_s: float = 0.2, order: int = 2,
-                       min_samples: Optional[int] = None) -> Derivatives:
+                       min_samples: Optional[int] = None, fill_gaps: bool = False) -> Derivatives:
     """Local weighted polynomial fits (irregular-stamp Savitzky-Golay) for offline identification.
 
     For each sample i with a valid value, a polynomial of degree ``order`` in (t - t_i) is fitted by
     tricube-weighted least squares to the valid samples within +-window_s/2 and its value, first and
-    second derivative at t_i are returned. Invalid samples are never used and never filled: their outputs
-    are NaN and ``valid`` is False, as for samples with fewer than ``min_samples`` (default order + 3) valid
-    neighbours or without a valid neighbour on both sides when inside the record.
+    second derivative at t_i are returned. Invalid samples are never used, and by default never filled: their
+    outputs are NaN and ``valid`` is False, as for samples with fewer than ``min_samples`` (default order + 3)
+    valid neighbours or without a valid neighbour on both sides when inside the record.
+
+    ``fill_gaps``: invalid samples are estimated too, from the same fit of their valid neighbours, where those
+    meet the same conditions (enough of them, on both sides); ``valid`` then marks those estimates as well, and
+    the caller's own mask says which samples were measured. (What a multiple-shooting window needs at its start:
+    a state estimate, which is fitted afterwards anyway.)
 
     t: (T,) s, strictly increasing; x: (T, ...) (e.g. (T, N, 3) m or (T, D)); valid: None, (T,) or the
     leading dims of x without the last one (e.g. (T, N)), bool.
@@ -268,13 +273,18 @@ def smooth_derivatives(t, x, valid=None, *, window_s: float = 0.2, order: int = 
         idx = np.minimum(idx, T - 1)
         s = np.where(inside, (t[idx] - t[rows, None]) / h, 0.0)       # in [-1, 1]
         w = np.where(inside, (1 - np.abs(s) ** 3) ** 3 + 1e-3, 0.0)   # tricube, never exactly zero inside
-        m = V[idx] & V[rows][:, None, :] & inside[:, :, None]         # (n, Wm, K)
+        m = V[idx] & inside[:, :, None]                               # (n, Wm, K)
+        if not fill_gaps:
+            m &= V[rows][:, None, :]
         cnt = m.sum(axis=1)
         before = (m & (s < 0)[:, :, None]).any(axis=1)
         after = (m & (s > 0)[:, :, None]).any(axis=1)
         edge = ((lo[rows] > 0) & (hi[rows] < T))[:, None]
-        interior = np.where(edge, before & after, before | after)
-        good = V[rows] & (cnt >= min_samples) & interior              # (n, K)
+        # a filled sample needs valid neighbours on both sides even at the record's ends (no extrapolation)
+        interior = np.where(edge | ~V[rows], before & after, before | after)
+        good = (cnt >= min_samples) & interior                        # (n, K)
+        if not fill_gaps:
+            good &= V[rows]
         if not good.any():
             continue
         A = s[:, :, None] ** powers                                   # (n, Wm, p)

@@ -21,6 +21,11 @@ Registration (first frame in which every marker node is visible):
      fits as well (a symmetric structure: the 3-fold manipulator, the icosahedron), the geometry alone
      cannot tell which node is which: the candidate closest to ``initial_transform`` (a rough guess of the
      mocap->structure transform) is taken, and without a guess :class:`AmbiguousMatchError` is raised.
+     With a guess, only the labellings whose rotation lies within ``initial_transform_tolerance_deg`` of it
+     compete (when any passes the RMS limits): the robot is never exactly in its file's shape, and a
+     symmetric labelling can fit a sagging or moving structure better than the right one (the suite's
+     icosahedron, fixed at an equilateral face: 9.2 mm RMS for a labelling turned 120 deg against 14.6 mm for the
+     right one, which then labelled the whole recording turned, 12-35 mm off every node).
 
 Tracking (every later frame):
   * markers are mapped into the structure frame; each node's position is predicted by a constant-velocity
@@ -52,6 +57,7 @@ Tracking (every later frame):
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
@@ -101,6 +107,9 @@ class LabellerConfig:
     registration_timeout_s: float = 1.0
     #: Rough mocap->structure transform ((R, t) or 4x4): picks one labelling of a symmetric structure.
     initial_transform: Any = field(default=None, compare=False)
+    #: how far the guess's rotation may be off [deg]; below half the smallest angle between two labellings of a
+    #: symmetric structure (90 deg for 4-fold symmetry, 120 for 3-fold)
+    initial_transform_tolerance_deg: float = 45.0
     #: Nodes that carry a marker; default: all nodes except coincident (virtual) duplicates.
     marker_nodes: Optional[Tuple[str, ...]] = None
     transform_window: int = 240
@@ -113,7 +122,7 @@ class LabellerConfig:
         for k in ("gate_m", "bar_tolerance_m", "reacquire_gate_m", "reacquire_gate_unconstrained_m", "max_speed_mps",
                   "anchor_tolerance_m",
                   "free_anchor_tolerance_m", "registration_rms_m", "registration_max_residual_m",
-                  "ambiguity_margin_m", "registration_timeout_s"):
+                  "ambiguity_margin_m", "registration_timeout_s", "initial_transform_tolerance_deg"):
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
                 raise ValueError(f"LabellerConfig.{k} = {v!r}: must be a finite number >= 0")
@@ -262,11 +271,17 @@ def register_markers(markers, topo: MarkerTopology, cfg: LabellerConfig = Labell
         if key not in refined or rms < refined[key][0]:
             refined[key] = (rms, R, t, assignment, res)
     ranked = sorted(refined.values(), key=lambda r: r[0])
+    guess = as_transform(cfg.initial_transform)
+    if guess is not None:
+        # the stated guess decides between labellings that pass the limits, not only between equal fits
+        tol = math.radians(cfg.initial_transform_tolerance_deg)
+        near = [r for r in ranked if rotation_angle(r[1] @ guess[0].T) <= tol
+                and r[0] <= cfg.registration_rms_m and r[4].max() <= cfg.registration_max_residual_m]
+        ranked = near or ranked
     best = ranked[0]
     limit = best[0] + max(cfg.ambiguity_margin_m, 0.5 * best[0])
     equivalent = [r for r in ranked if r[0] <= limit]
     if len(equivalent) > 1:
-        guess = as_transform(cfg.initial_transform)
         if guess is None:
             raise AmbiguousMatchError(
                 f"{len(equivalent)} different labellings of {expect} fit the markers equally well (RMS "

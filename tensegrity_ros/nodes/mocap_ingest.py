@@ -56,6 +56,9 @@ PARAMS = (
     ParamSpec("initial_transform", [], "rough mocap->structure transform ([] | R row-major + t (12) | 4x4 "
               "row-major (16)); picks the labelling of a symmetric structure", check=C.transform_list,
               read_only=True, type_="double_array"),
+    ParamSpec("initial_transform_tolerance_deg", _L.initial_transform_tolerance_deg, "how far initial_transform's "
+              "rotation may be off [deg]: only labellings within it compete at registration", range=(1.0, 180.0),
+              read_only=True),
     ParamSpec("mocap_qos_reliability", "best_effort", "QoS of the markers subscription: best_effort (sensor data: "
               "matches any mocap driver) | reliable (retransmitted; matches reliable drivers only); keep last 1000",
               choices=C.QOS_RELIABILITIES, read_only=True),
@@ -102,6 +105,7 @@ class MocapIngestNode(C.GraphNode):
             max_speed_mps=p["max_speed_mps"], registration_rms_m=p["registration_rms_m"],
             registration_timeout_s=p["registration_timeout_s"],
             initial_transform=C.transform_from_list(p["initial_transform"]),
+            initial_transform_tolerance_deg=p["initial_transform_tolerance_deg"],
             auto_refresh_frames=p["auto_refresh_frames"] or None)
         kalman = KalmanConfig(measurement_std_m=p["measurement_std_m"], accel_psd=p["accel_psd"])
         self.ingest = MocapIngest(self.structure, IngestConfig(labeller=labeller, kalman=kalman,
