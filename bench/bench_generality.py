@@ -75,7 +75,7 @@ def _identify(rec: Path, model: Path, out: Path, extra: Sequence[str], noise_mm:
 
 def run(structures: Sequence[str] = I.SUITE, seed: int = 0, duration_s: float = DURATION_S, from_truth: bool = False,
         extra: Sequence[str] = (), wrong_law: bool = True, noise_mm: float = 1.0,
-        occlusion: float = I.LabHabits.occlusion) -> dict:
+        occlusion: float = I.LabHabits.occlusion, occlusion_burst_s: float = 0.0) -> dict:
     results = {}
     base = OUT / "generality"
     for name in structures:
@@ -83,7 +83,8 @@ def run(structures: Sequence[str] = I.SUITE, seed: int = 0, duration_s: float = 
         print(f"--- {name}: recording {duration_s:g} s of the independent model (seed {seed})", flush=True)
         t0 = time.perf_counter()
         info = I.record(I.load_suite_structure(name), rec, seed=seed, duration_s=duration_s,
-                        habits=dataclasses.replace(I.LabHabits(), noise_mm=noise_mm, occlusion=occlusion))
+                        habits=dataclasses.replace(I.LabHabits(), noise_mm=noise_mm, occlusion=occlusion,
+                                                  occlusion_burst_s=occlusion_burst_s))
         print(f"    {time.perf_counter() - t0:.1f} s; excursion {info['node_excursion_mm']:.1f} mm, tension "
               f"{info['min_tension_N']:.1f}-{info['max_tension_N']:.1f} N, slack {info['slack_strings']}", flush=True)
         truth, nominal = load_structure(rec / "truth.yaml"), load_structure(rec / "nominal.yaml")
@@ -115,6 +116,7 @@ def run(structures: Sequence[str] = I.SUITE, seed: int = 0, duration_s: float = 
         results[name] = entry
     res = {"seed": seed, "duration_s": duration_s, "structures": results, "targets": TARGETS,
            "coverage_target": COVERAGE_TARGET, "noise_mm": noise_mm, "occlusion": occlusion,
+           "occlusion_burst_s": occlusion_burst_s,
            "lab_flags": ["--noise-mm", f"{noise_mm:g}"] + LAB_FLAGS + list(extra)}
     laws = [e for e in results.values() if "wrong_law" in e]
     if laws:        # [flagged, of] structures: the swapped file should be flagged everywhere, the right one nowhere
@@ -213,6 +215,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--occlusion", type=float, default=I.LabHabits.occlusion,
                     help="fraction of the markers missing from each mocap frame, drawn independently (default: "
                          f"{I.LabHabits.occlusion:g}, item 6's lab)")
+    ap.add_argument("--occlusion-burst-s", type=float, default=0.0,
+                    help="mean length of one marker's dropout [s] (default 0: each marker and frame drawn alone)")
     ap.add_argument("--no-wrong-law", action="store_true",
                     help="skip identifying each structure again with its actuated strings' law swapped (the "
                          "string-law check's test: it should say so)")
@@ -228,8 +232,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"--noise-mm {args.noise_mm}: the marker noise must be > 0 mm (identify weighs the data by it)")
     if not 0 <= args.occlusion < 1:
         ap.error(f"--occlusion {args.occlusion}: a fraction in [0, 1)")
+    if not args.occlusion_burst_s >= 0:
+        ap.error(f"--occlusion-burst-s {args.occlusion_burst_s}: seconds >= 0")
     res = run(names, args.seed, args.duration, args.from_truth, args.identify_arg, wrong_law=not args.no_wrong_law,
-              noise_mm=args.noise_mm, occlusion=args.occlusion)
+              noise_mm=args.noise_mm, occlusion=args.occlusion, occlusion_burst_s=args.occlusion_burst_s)
     res["wall_s"] = time.perf_counter() - t0
     missed = res["missed"]
     OUT.mkdir(parents=True, exist_ok=True)

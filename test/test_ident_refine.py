@@ -210,6 +210,41 @@ def test_a_window_starts_where_a_marker_is_missing(pendulum_data):
     np.testing.assert_allclose(occluded.X0m.numpy(), gappy.X0m.numpy(), atol=2e-4)
     np.testing.assert_allclose(occluded.V0m.numpy(), gappy.V0m.numpy(), atol=5e-3)
     assert float((occluded.X0m - gappy.X0m).abs().max()) > 0          # they were estimated, not copied
-    # without neighbours on both sides (the record's first sample) nothing is filled: no window starts there
+    # without neighbours on both sides (the record's first sample) nothing is filled: the window starts later
     valid[0, free[0]] = False
-    assert RefineProblem(s, [dataclasses.replace(ds, valid=valid)], true, opts).window_ids == gappy.window_ids[1:]
+    edge = RefineProblem(s, [dataclasses.replace(ds, valid=valid)], true, opts)
+    assert edge.window_ids[1:] == gappy.window_ids[1:] and edge.window_ids[0][1] > 0
+
+
+def test_a_window_start_moves_past_a_long_dropout(pendulum_data):
+    """A marker hidden longer than the smoothing can bridge (behind a bar for a while) leaves no state estimate at
+    the grid's start: the window starts at the first sample after it that has one, at most half a window later,
+    and keeps the grid's end, so that it never reaches into the next window's samples."""
+    import dataclasses
+
+    from tensegrity_ros.ident.refine import RefineProblem, without_windows
+    s, nominal, true, ds = pendulum_data
+    ds = dataclasses.replace(ds, velocities=None)
+    opts = RefineOptions(kinds=(), window_s=0.3, smooth_window_s=0.1)        # 30 samples; smoothing +-5 samples
+    full = RefineProblem(s, [ds], true, opts)
+    H, free = full.H, np.asarray(full.top.free_nodes)
+    starts = [st for _, st in full.window_ids]
+    # (central differences need both neighbours: no window starts at the record's first sample, as before)
+    assert starts == list(range(H, H * (len(starts) + 1), H)) and full.window_lengths == [H] * len(starts)
+    st = starts[1]
+    valid = ds.valid.copy()
+    valid[st - 3:st + 8, free[0]] = False               # 11 samples: no sample in it has neighbours within +-5
+    moved = RefineProblem(s, [dataclasses.replace(ds, valid=valid)], true, opts)
+    moved_starts = [w for _, w in moved.window_ids]
+    assert st not in moved_starts and st + 9 in moved_starts and set(starts) - {st} <= set(moved_starts)
+    b, bf = moved_starts.index(st + 9), starts.index(st)
+    assert moved.window_lengths[b] == H - 9
+    assert not moved.mask[b, H - 9:].any() and moved.mask[b, :H - 9].all()   # stops where the grid's window ends
+    np.testing.assert_allclose(moved.targets[b, :H - 9].numpy(), full.targets[bf, 9:].numpy())
+    # setting it aside masks its own samples only, not the next window's
+    kept = without_windows([dataclasses.replace(ds, valid=valid)], moved, [b])[0].valid
+    assert not kept[st + 9:st + H + 1].any() and kept[st + H + 1:st + 2 * H].all()
+    # a dropout longer than half a window loses the window, as before
+    valid[st - 3:st + H // 2 + 8, free[0]] = False
+    assert st // H not in [w // H for _, w in RefineProblem(s, [dataclasses.replace(ds, valid=valid)], true,
+                                                            opts).window_ids]

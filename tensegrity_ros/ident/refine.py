@@ -78,8 +78,9 @@ def without_windows(datasets: Sequence[Dataset], prob: "RefineProblem",
     """Copies of ``datasets`` (the ones ``prob`` was cut from) with the samples of ``prob``'s windows ``windows``
     (default: all of them) marked invalid, so that no window cut from the copies sees them."""
     masks = [d.valid.copy() for d in datasets]
-    for di, s0 in prob.window_ids if windows is None else [prob.window_ids[b] for b in windows]:
-        masks[di][s0:s0 + prob.H + 1] = False
+    for b in range(prob.B_win) if windows is None else windows:
+        di, s0 = prob.window_ids[b]
+        masks[di][s0:s0 + prob.window_lengths[b] + 1] = False
     return [dataclasses.replace(d, valid=m) for d, m in zip(datasets, masks)]
 
 
@@ -501,15 +502,17 @@ class RefineProblem:
             obs = np.array([top.node_names.index(n) for n in opts.observed_nodes], dtype=int)
         self.obs_idx = obs
         A = top.n_actuators
-        X0, V0, tgt, msk, U, Uts, F, Fc, Arm, wid, rel = [], [], [], [], [], [], [], [], [], [], []
+        X0, V0, tgt, msk, U, Uts, F, Fc, Arm, wid, rel, span = [], [], [], [], [], [], [], [], [], [], [], []
         pad_before = int(math.ceil(0.2 / dt_obs)) + 2   # delays up to 0.2 s
         M = H + pad_before + 3
         for di, d in enumerate(datasets):
             if d.n_samples < H + 1:
                 continue
-            # gaps filled: under occlusion a grid start lacks SOME node's marker more often than not (0.95^9 of
-            # the starts keep all nine free nodes of a tower at 5 % occlusion, 0.8^4 a prism's four at 20 %),
-            # and a window dropped for that loses ~1 s of data for one sample's marker; the start is fitted anyway
+            # Under occlusion a grid start lacks SOME node's marker more often than not (0.95^9 of the starts keep
+            # all nine free nodes of a tower at 5 % occlusion, 0.8^4 a prism's four at 20 %), and a window dropped
+            # for that loses ~1 s of data for one sample's marker. So short gaps are filled for the starts (the
+            # smoothing fit of the node's neighbours; the start is fitted anyway), and past longer ones the start
+            # moves forward (below)
             der = derivatives(d, opts.derivative_method, window_s=opts.smooth_window_s, fill_gaps=True)
             if d.velocities is not None:
                 vel = np.where(d.valid[..., None], d.velocities, np.nan)
@@ -517,12 +520,21 @@ class RefineProblem:
                 okv = d.valid
             else:
                 vel, pos, okv = der.velocities, der.positions, der.ok
-            for s in range(0, d.n_samples - H, stride):
-                if not okv[s, free].all():
+            startable = okv[:, free].all(axis=1) & np.isfinite(pos[:, free]).all(axis=(1, 2)) \
+                & np.isfinite(vel[:, free]).all(axis=(1, 2))
+            # A start where some node is unmeasured for longer than the smoothing can bridge (a marker hidden
+            # behind a bar for 0.3 s) moves forward to the first startable sample, by at most half a window; the
+            # window keeps the grid's end (samples after it are the next window's). Only in a recording with gaps:
+            # without any, the one start with no estimate is the record's first sample (central differences), which
+            # is dropped as before, so that such a recording is cut exactly as it was
+            reach = H // 2 + 1 if not d.valid[:, free].all() else 1
+            for grid in range(0, d.n_samples - H, stride):
+                ahead = np.flatnonzero(startable[grid:min(grid + reach, d.n_samples - H)])
+                if ahead.size == 0:
                     continue
-                if not (np.all(np.isfinite(pos[s, free])) and np.all(np.isfinite(vel[s, free]))):
-                    continue
-                v = d.valid[s + 1:s + 1 + H][:, obs]
+                s = grid + int(ahead[0])
+                v = d.valid[s + 1:s + 1 + H][:, obs].copy()
+                v[grid + H - s:] = False
                 if v.sum() < 0.5 * v.size:
                     continue
                 X0.append(pos[s])
@@ -546,12 +558,14 @@ class RefineProblem:
                     Arm.append(d.control_arms[s:s + H] if d.control_arms is not None else
                                np.zeros_like(d.control_forces[s:s + H]))
                 wid.append((di, s))
+                span.append(grid + H - s)
         if not X0:
             raise NotEnoughDataError("refine: no window with a measured start and >= 50 % valid samples")
         if opts.max_windows is not None and len(X0) > opts.max_windows:
             pick = np.unique(np.linspace(0, len(X0) - 1, opts.max_windows).round().astype(int))
             sel = lambda L: [L[i] for i in pick] if L else L  # noqa: E731
-            X0, V0, tgt, msk, U, Uts, F, Fc, Arm, wid, rel = map(sel, (X0, V0, tgt, msk, U, Uts, F, Fc, Arm, wid, rel))
+            X0, V0, tgt, msk, U, Uts, F, Fc, Arm, wid, rel, span = map(sel, (X0, V0, tgt, msk, U, Uts, F, Fc, Arm,
+                                                                             wid, rel, span))
         t = lambda x: torch.as_tensor(np.asarray(x), dtype=self.dtype, device=self.device)  # noqa: E731
         X0 = np.nan_to_num(np.stack(X0))
         V0 = np.nan_to_num(np.stack(V0))
@@ -560,6 +574,7 @@ class RefineProblem:
         self.mask = torch.as_tensor(np.stack(msk), device=self.device)  # (B, H, No)
         self.n_obs = int(self.mask.sum())
         self.window_ids = wid
+        self.window_lengths = span                              # samples after each start that it covers (<= H)
         self.B_win = len(wid)
         # sample times relative to each window start -> fractional engine steps (irregular stamps are fine)
         rel = np.stack(rel)                                     # (B, H + 1)
@@ -593,6 +608,7 @@ class RefineProblem:
                 setattr(sub, name, v.index_select(0, ii))
         sub.n_obs = int(sub.mask.sum())
         sub.window_ids = [self.window_ids[i] for i in idx]
+        sub.window_lengths = [self.window_lengths[i] for i in idx]
         sub.B_win = len(idx)
         sub.contiguous = []
         sub._workers = None

@@ -25,7 +25,7 @@ Registration (first frame in which every marker node is visible):
      compete (when any passes the RMS limits): the robot is never exactly in its file's shape, and a
      symmetric labelling can fit a sagging or moving structure better than the right one (the suite's
      icosahedron, fixed at an equilateral face: 9.2 mm RMS for a labelling turned 120 deg against 14.6 mm for the
-     right one, which then labelled the whole recording turned, 12-35 mm off every node).
+     right one; the whole recording then came out turned, 12-35 mm off at every node).
 
 Tracking (every later frame):
   * markers are mapped into the structure frame; each node's position is predicted by a constant-velocity

@@ -95,6 +95,10 @@ class LabHabits:
     guess_offset_m: Tuple[float, float, float] = (0.6, 0.0, -0.3)
     noise_mm: float = 1.0
     occlusion: float = 0.05
+    #: mean length of one marker's dropout [s]; 0: every marker and frame drawn alone (``occlusion`` of them
+    #: missing). > 0: each marker is hidden in runs of this mean length (a bar passing in front of it), the same
+    #: fraction ``occlusion`` of the time
+    occlusion_burst_s: float = 0.0
     mocap_hz: float = 120.0
     motor_hz: float = 80.0
     ticks_per_rev: Optional[int] = TICKS_PER_REV   # None: no quantisation
@@ -430,11 +434,20 @@ def record(nominal: Structure, out: Path, *, seed: int = 0, duration_s: float = 
     # mocap: every (240 / mocap_hz)-th sample, one marker per node, noise, occlusion, shuffled, stamped late
     step_m = int(round(SAMPLE_HZ / habits.mocap_hz))
     mk_t, mk = [], []
+    bursts = habits.occlusion > 0 and habits.occlusion_burst_s > 0
+    if bursts:      # a two-state chain per marker: runs of mean occlusion_burst_s, hidden `occlusion` of the time
+        p_show = min(1.0, 1.0 / (habits.occlusion_burst_s * habits.mocap_hz))
+        p_hide = min(1.0, habits.occlusion * p_show / (1.0 - habits.occlusion))
+        hidden = rng.random(traj.positions.shape[1]) < habits.occlusion
     for k in range(0, len(traj.times), step_m):
         p = traj.positions[k] @ R.T + off
         if habits.noise_mm > 0:
             p = p + rng.normal(0.0, habits.noise_mm * 1e-3, p.shape)
-        if habits.occlusion > 0:
+        if bursts:
+            flip = rng.random(len(p))
+            hidden = np.where(hidden, flip >= p_show, flip < p_hide)
+            p = p[~hidden]
+        elif habits.occlusion > 0:
             p = p[rng.random(len(p)) >= habits.occlusion]
         if habits.shuffle:
             p = p[rng.permutation(len(p))]
