@@ -185,15 +185,16 @@ def test_levenberg_marquardt_stops_once_within_chi2_of_the_minimum(pendulum_data
 
 
 def test_a_window_starts_where_a_marker_is_missing(pendulum_data):
-    """Under occlusion most grid starts lack SOME node's marker. Such a start is estimated by the smoothing fit
-    from the node's neighbours on both sides, so the window is kept (it used to be dropped, with its second of
-    data), and that start lies where the measured one would: within the smoothing's own error."""
+    """Under occlusion most grid starts lack SOME node's marker. With ``bridge_start_gaps`` such a start is
+    estimated by the smoothing fit from the node's neighbours on both sides, so the window is kept (by default it
+    is dropped, with its data), and that start lies where the measured one would: within the smoothing's own
+    error."""
     import dataclasses
 
     from tensegrity_ros.ident.refine import RefineProblem
     s, nominal, true, ds = pendulum_data
     ds = dataclasses.replace(ds, velocities=None)       # as recorded: positions only
-    opts = RefineOptions(kinds=(), window_s=0.3, smooth_window_s=0.1)
+    opts = RefineOptions(kinds=(), window_s=0.3, smooth_window_s=0.1, bridge_start_gaps=True)
     full = RefineProblem(s, [ds], true, opts)
     free = np.asarray(full.top.free_nodes)
     valid = ds.valid.copy()
@@ -206,6 +207,9 @@ def test_a_window_starts_where_a_marker_is_missing(pendulum_data):
         valid[st, free[k % len(free)]] = False
     occluded = RefineProblem(s, [dataclasses.replace(ds, valid=valid)], true, opts)
     assert occluded.window_ids == gappy.window_ids
+    off = RefineProblem(s, [dataclasses.replace(ds, valid=valid)], true,
+                        dataclasses.replace(opts, bridge_start_gaps=False))
+    assert off.window_ids == gappy.window_ids[:1]        # the default: such windows are dropped
     # the filled starts against the same problem's measured ones (the same smoothing, the sample itself kept)
     np.testing.assert_allclose(occluded.X0m.numpy(), gappy.X0m.numpy(), atol=2e-4)
     np.testing.assert_allclose(occluded.V0m.numpy(), gappy.V0m.numpy(), atol=5e-3)
@@ -225,7 +229,8 @@ def test_a_window_start_moves_past_a_long_dropout(pendulum_data):
     from tensegrity_ros.ident.refine import RefineProblem, without_windows
     s, nominal, true, ds = pendulum_data
     ds = dataclasses.replace(ds, velocities=None)
-    opts = RefineOptions(kinds=(), window_s=0.3, smooth_window_s=0.1)        # 30 samples; smoothing +-5 samples
+    opts = RefineOptions(kinds=(), window_s=0.3, smooth_window_s=0.1,         # 30 samples; smoothing +-5 samples
+                         bridge_start_gaps=True)
     full = RefineProblem(s, [ds], true, opts)
     H, free = full.H, np.asarray(full.top.free_nodes)
     starts = [st for _, st in full.window_ids]

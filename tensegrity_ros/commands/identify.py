@@ -89,6 +89,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--holdout", type=float, default=0.1,
                         help="fraction of the recording set aside, in 0.2-s windows spread over it, to check at the "
                              "end that the fit predicts better than the nominal model (0: no check)")
+    parser.add_argument("--bridge-occlusions", action="store_true",
+                        help="let a fitting window start where a marker is missing: its state from the node's "
+                             "neighbours, or the start moved past a longer dropout (for heavily occluded "
+                             "recordings; off by default, docs/identification.md 'Window starts under occlusion')")
     parser.add_argument("--law-check", action=argparse.BooleanOptionalAction, default=True,
                         help="after the fit, refit with the actuated strings' other stiffness_law (cord <-> spring) "
                              "and say which law predicts the recording better; exit 3 when the other one does "
@@ -192,7 +196,7 @@ def run(args) -> int:
                                         device=args.device, workers=workers, heldout_check=holdout > 0,
                                         heldout_fraction=holdout or 0.1,
                                         law_check=args.law_check and "refine" in stages,
-                                        set_aside_outlying=True)
+                                        set_aside_outlying=True, bridge_start_gaps=args.bridge_occlusions)
     iters = args.max_iter + sum(it for _, _, it in longer)
     with progress_bar(iters if "refine" in stages else 1, "identifying") as bar:
         last = {"iteration": None}

@@ -67,7 +67,8 @@ def rung_windows(count, recorded_s: float) -> Optional[int]:
 SHARED_FIELDS = ("known", "ties", "total_mass", "delay_s", "derivative_method", "smooth_window_s")
 #: IdentifyOptions.from_flat: flat keywords that are stage 2's RefineOptions fields
 STAGE2_FIELDS = ("estimate_delay", "noise_std_m", "prior_std", "prior_center", "window_s", "max_windows", "sim_dt",
-                 "optimize_initial_states", "max_iter", "optimizer", "max_time_s", "device", "workers")
+                 "optimize_initial_states", "max_iter", "optimizer", "max_time_s", "device", "workers",
+                 "bridge_start_gaps")
 #: stage 1's default kinds, and stage 2's unless told otherwise
 DEFAULT_KINDS = ("mass", "stiffness", "damping")
 
@@ -93,7 +94,7 @@ class IdentifyOptions:
         ``prior_std`` / ``prior_center`` (the Gaussian prior, per kind or per parameter name; a bar's ``mass_std``
         in the structure file is that bar's mass prior, in place of ``prior_std["mass"]``:
         :func:`structure_prior_std`), derivatives, windows (``window_s``, ``max_windows``, ``sim_dt``,
-        ``optimize_initial_states``), ``max_iter``, ``optimizer``, ``max_time_s``, ``device`` (``None``/``"cpu"``,
+        ``optimize_initial_states``, ``bridge_start_gaps``), ``max_iter``, ``optimizer``, ``max_time_s``, ``device`` (``None``/``"cpu"``,
         ``"cuda"`` or ``"auto"``: cuda when available), ``workers`` (stage 2's windows, its Levenberg-Marquardt
         residuals and Jacobians and the covariance's Jacobians, spread over this many forked processes; Linux
         CPU only, same results; on the manipulator bench two gave 1.77x on 24 x 0.1-s Jacobians and 1.54x on
@@ -183,7 +184,8 @@ class IdentifyOptions:
         estimate: stage 1's kinds, and stage 2's unless ``refine_kinds``; refine_kinds: stage 2's kinds.
         :data:`SHARED_FIELDS` (known, ties, total_mass, delay_s, derivative_method, smooth_window_s): both stages.
         :data:`STAGE2_FIELDS` (estimate_delay, noise_std_m, prior_std, prior_center, window_s, max_windows,
-        sim_dt, optimize_initial_states, max_iter, optimizer, max_time_s, device, workers): stage 2.
+        sim_dt, optimize_initial_states, max_iter, optimizer, max_time_s, device, workers, bridge_start_gaps):
+        stage 2.
         regression / refine: any further field of that stage's options (applied last). The other keywords are
         this class's own fields (longer_windows, covariance, heldout_check, ...)."""
         stage1 = {k: flat.pop(k) for k in SHARED_FIELDS if k in flat}
