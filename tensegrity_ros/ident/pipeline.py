@@ -94,9 +94,9 @@ class IdentifyOptions:
         ``prior_std`` / ``prior_center`` (the Gaussian prior, per kind or per parameter name; a bar's ``mass_std``
         in the structure file is that bar's mass prior, in place of ``prior_std["mass"]``:
         :func:`structure_prior_std`), derivatives, windows (``window_s``, ``max_windows``, ``sim_dt``,
-        ``optimize_initial_states``, ``bridge_start_gaps``), ``max_iter``, ``optimizer``, ``max_time_s``, ``device`` (``None``/``"cpu"``,
-        ``"cuda"`` or ``"auto"``: cuda when available), ``workers`` (stage 2's windows, its Levenberg-Marquardt
-        residuals and Jacobians and the covariance's Jacobians, spread over this many forked processes; Linux
+        ``optimize_initial_states``, ``bridge_start_gaps``), ``max_iter``, ``optimizer``, ``max_time_s``,
+        ``device`` (``None``/``"cpu"``, ``"cuda"`` or ``"auto"``: cuda when available), ``workers`` (stage 2's
+        windows, its Levenberg-Marquardt residuals and Jacobians and the covariance's Jacobians, spread over this many forked processes; Linux
         CPU only, same results; on the manipulator bench two gave 1.77x on 24 x 0.1-s Jacobians and 1.54x on
         8 x 1.0-s ones). Its windows, data and engine also make the stage-2 start probe, the stage-1-only
         residual and the held-out windows (:meth:`RefineProblem.for_prediction`).
