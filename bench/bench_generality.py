@@ -75,7 +75,7 @@ def _identify(rec: Path, model: Path, out: Path, extra: Sequence[str], noise_mm:
 
 def run(structures: Sequence[str] = I.SUITE, seed: int = 0, duration_s: float = DURATION_S, from_truth: bool = False,
         extra: Sequence[str] = (), wrong_law: bool = True, noise_mm: float = 1.0,
-        occlusion: float = I.LabHabits.occlusion, occlusion_burst_s: float = 0.0) -> dict:
+        occlusion: float = I.LabHabits.occlusion, occlusion_burst_s: float = I.LabHabits.occlusion_burst_s) -> dict:
     results = {}
     base = OUT / "generality"
     for name in structures:
@@ -215,8 +215,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--occlusion", type=float, default=I.LabHabits.occlusion,
                     help="fraction of the markers missing from each mocap frame, drawn independently (default: "
                          f"{I.LabHabits.occlusion:g}, item 6's lab)")
-    ap.add_argument("--occlusion-burst-s", type=float, default=0.0,
-                    help="mean length of one marker's dropout [s] (default 0: each marker and frame drawn alone)")
+    ap.add_argument("--occlusion-burst-s", type=float, default=I.LabHabits.occlusion_burst_s,
+                    help="mean length of one marker's dropout [s] (default "
+                         f"{I.LabHabits.occlusion_burst_s:g}: each marker and frame drawn alone)")
     ap.add_argument("--no-wrong-law", action="store_true",
                     help="skip identifying each structure again with its actuated strings' law swapped (the "
                          "string-law check's test: it should say so)")

@@ -271,13 +271,21 @@ def register_markers(markers, topo: MarkerTopology, cfg: LabellerConfig = Labell
         if key not in refined or rms < refined[key][0]:
             refined[key] = (rms, R, t, assignment, res)
     ranked = sorted(refined.values(), key=lambda r: r[0])
+
+    def passes(r) -> bool:
+        """The labelling (rms, R, t, assignment, residuals) within the acceptance limits."""
+        return r[0] <= cfg.registration_rms_m and r[4].max() <= cfg.registration_max_residual_m
+
     guess = as_transform(cfg.initial_transform)
+
+    def off_guess(r) -> float:
+        """The labelling's rotation away from the guess [rad] (only asked with a guess)."""
+        return rotation_angle(r[1] @ guess[0].T)
+
     if guess is not None:
         # the stated guess decides between labellings that pass the limits, not only between equal fits
         tol = math.radians(cfg.initial_transform_tolerance_deg)
-        near = [r for r in ranked if rotation_angle(r[1] @ guess[0].T) <= tol
-                and r[0] <= cfg.registration_rms_m and r[4].max() <= cfg.registration_max_residual_m]
-        ranked = near or ranked
+        ranked = [r for r in ranked if off_guess(r) <= tol and passes(r)] or ranked
     best = ranked[0]
     limit = best[0] + max(cfg.ambiguity_margin_m, 0.5 * best[0])
     equivalent = [r for r in ranked if r[0] <= limit]
@@ -288,9 +296,9 @@ def register_markers(markers, topo: MarkerTopology, cfg: LabellerConfig = Labell
                 f"{', '.join(f'{r[0] * 1e3:.1f}' for r in equivalent[:6])} mm): the structure is symmetric, so "
                 f"geometry alone cannot tell its nodes apart. Give LabellerConfig.initial_transform, a rough "
                 f"mocap->structure transform ((R, t) or 4x4, within about 30 deg), to pick one")
-        best = min(equivalent, key=lambda r: rotation_angle(r[1] @ guess[0].T))
+        best = min(equivalent, key=off_guess)
     rms, R, t, assignment, res = best
-    if rms > cfg.registration_rms_m or res.max() > cfg.registration_max_residual_m:
+    if not passes(best):
         worst = int(np.argmax(res))
         raise NoMatchError(f"markers do not match {expect}: best placement leaves RMS {rms * 1e3:.1f} mm "
                            f"(limit {cfg.registration_rms_m * 1e3:.0f} mm), worst node {topo.names[worst]} "
