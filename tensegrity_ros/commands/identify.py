@@ -99,6 +99,11 @@ def add_arguments(parser) -> None:
                              "(default: on; a refit and two scorings, a third to a half more time: 14-17 s on a 12-s "
                              "recording of the generality suite, 29 s of 114 s on the README's 16-s manipulator bag, 2 "
                              "cores; no effect without actuated strings)")
+    parser.add_argument("--step-check", action=argparse.BooleanOptionalAction, default=True,
+                        help="after the fit, roll it out at half the engine step; when following that would move "
+                             "some estimate by more than 0.25 of its sigma, refit the last stage at half the step, "
+                             "up to twice (default: on; strings that go slack need it: docs/identification.md "
+                             "'The engine's step'; each refit costs about twice the last stage before it)")
     parser.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (default: auto, cuda when present)")
     parser.add_argument("--workers", default="auto",
                         help="processes that share stage 2's windows on a Linux CPU (same result, ~1.5-1.8x faster "
@@ -196,7 +201,8 @@ def run(args) -> int:
                                         device=args.device, workers=workers, heldout_check=holdout > 0,
                                         heldout_fraction=holdout or 0.1,
                                         law_check=args.law_check and "refine" in stages,
-                                        set_aside_outlying=True, bridge_start_gaps=args.bridge_occlusions)
+                                        set_aside_outlying=True, bridge_start_gaps=args.bridge_occlusions,
+                                        step_check=args.step_check)
     iters = args.max_iter + sum(it for _, _, it in longer)
     with progress_bar(iters if "refine" in stages else 1, "identifying") as bar:
         last = {"iteration": None}
@@ -261,7 +267,8 @@ def degraded_reasons(result):
 
 
 def verdict_lines(result):
-    """The last lines a person sees: the model check and the held-out check, loud when they fail."""
+    """The last lines a person sees: the model check, the held-out check and the string-law check, loud when they
+    fail; the engine step when the last rung had to be refitted at a shorter one (or still moves the fit)."""
     lines = []
     mm, ho = result.model_mismatch, result.held_out
     if mm is not None:
@@ -270,6 +277,9 @@ def verdict_lines(result):
         lines.append(("WARNING: " if ho.verdict == "worse" else "") + ho.line())
     if result.string_law is not None:
         lines.append(("WARNING: " if result.string_law.mismatch else "") + result.string_law.line())
+    st = result.engine_step
+    if st is not None and (not st.ok or len(st.steps_s) > 1):        # refitted at a shorter step, or still too long
+        lines.append(("WARNING: " if not st.ok else "") + st.line())
     if result.prior_dominated:
         lines.append(f"kept at the prior (the data do not move them): {', '.join(result.prior_dominated)}")
     return lines

@@ -31,6 +31,9 @@ from .lawcheck import LawCheck, check_string_law, widen
 from .mismatch import MismatchOptions, ModelMismatch, check_model
 from .refine import RefineOptions, RefineProblem, RefineResult, refine, without_windows
 from .regression import RegressionOptions, RegressionResult, regress
+from .stepcheck import DEFAULT_HALVINGS as DEFAULT_STEP_HALVINGS
+from .stepcheck import DEFAULT_THRESHOLD_SIGMA as DEFAULT_STEP_THRESHOLD_SIGMA
+from .stepcheck import StepCheck, halving_change, largest_shift, rms_per_coordinate
 
 __all__ = ["IdentifyOptions", "IdentificationResult", "identify", "STAGES", "structure_prior_std", "rung_windows"]
 
@@ -142,6 +145,11 @@ class IdentifyOptions:
     set_aside_outlying: after the last rung, set aside the windows fitted far worse than the others
         (:func:`outlying_windows`) and refit that rung without them. Off by default here (the online identifier's
         four short windows are judged by its held-out test instead); ``tensegrity identify`` turns it on.
+    step_check / step_threshold_sigma / step_halvings: with the covariance, roll the fit out again at half the
+        engine step and ask how far the estimate would move to follow (in sigma); beyond
+        ``step_threshold_sigma``, refit the last rung at half the step, up to ``step_halvings`` times
+        (``IdentificationResult.engine_step``; :mod:`.stepcheck`). Not made when ``refine.sim_dt`` is given or
+        without the covariance.
     """
 
     backend: str = "nodal"
@@ -171,6 +179,9 @@ class IdentifyOptions:
     law_check: bool = False
     law_margin_sigma: float = 3.0
     set_aside_outlying: bool = False
+    step_check: bool = True
+    step_threshold_sigma: float = DEFAULT_STEP_THRESHOLD_SIGMA
+    step_halvings: int = DEFAULT_STEP_HALVINGS
 
     @classmethod
     def from_flat(cls, **flat) -> "IdentifyOptions":
@@ -212,6 +223,11 @@ class IdentifyOptions:
             if not count_ok or not stage[0] > 0 or stage[2] < 0:
                 raise ValueError(f"IdentifyOptions.longer_windows[{k}] = {stage!r}: expected (window_s > 0, "
                                  "max_windows >= 1, None or 'auto', max_iter >= 0)")
+        if not self.step_threshold_sigma > 0:
+            raise ValueError(f"IdentifyOptions.step_threshold_sigma = {self.step_threshold_sigma!r} (expected > 0, "
+                             "in standard deviations)")
+        if not (isinstance(self.step_halvings, int) and self.step_halvings >= 0):
+            raise ValueError(f"IdentifyOptions.step_halvings = {self.step_halvings!r} (expected an integer >= 0)")
 
 
 @dataclass
@@ -268,6 +284,9 @@ class IdentificationResult:
     recordings: List[Dict[str, Any]] = field(default_factory=list)
     #: the file's string law of the actuated strings against the other one (:class:`.lawcheck.LawCheck`)
     string_law: Optional[LawCheck] = None
+    #: whether the engine's step was fine enough for the fit, and the steps it was refitted at
+    #: (:class:`.stepcheck.StepCheck`); None when not made
+    engine_step: Optional[StepCheck] = None
 
     def values(self) -> Dict[str, float]:
         """name -> identified value (all parameters)."""
@@ -294,6 +313,8 @@ class IdentificationResult:
         for d in self.non_identifiable:
             lines.append(f"  ! {d}")
         lines += [f"  note: {x}" for x in self.notes]
+        if self.engine_step is not None:
+            lines.append(("  " if self.engine_step.ok else "  !! ") + self.engine_step.line())
         for n, (sd, psd) in self.prior_dominated.items():
             lines.append(f"  {n}: kept at the prior (the data do not move it: std {sd:.3g} vs the prior's {psd:.3g})")
         if self.held_out is not None:
@@ -324,6 +345,7 @@ class IdentificationResult:
                 "calibration": dict(self.calibration),
                 "held_out": None if self.held_out is None else self.held_out.to_dict(),
                 "string_law": None if self.string_law is None else self.string_law.to_dict(),
+                "engine_step": None if self.engine_step is None else self.engine_step.to_dict(),
                 "prior_dominated": {n: {"std": sd, "prior_std": p} for n, (sd, p) in self.prior_dominated.items()},
                 "stage_values": [{"window_s": ws, "params": v} for ws, v in self.stage_values],
                 "recordings": [dict(r) for r in self.recordings]}
@@ -510,6 +532,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
     dominated: Dict[str, Tuple[float, float]] = {}
     recordings: List[Dict[str, Any]] = []
     law: Optional[LawCheck] = None
+    step: Optional[StepCheck] = None
     # the stages' options as run: stage 1's inertia from the backend unless it names one; stage 2's device
     # resolved and the structure file's per-bar mass priors added (see structure_prior_std)
     ropts = opts.regression
@@ -658,8 +681,46 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                         ts = time.perf_counter()
                         _announce(callback, "covariance", "standard deviations (Gauss-Newton covariance, sandwich)")
                         from .uncertainty import gauss_newton_covariance
-                        cov = gauss_newton_covariance(ref.problem, ref.w, ref.x0, noise_std_m=fopts.noise_std_m,
-                                                      max_windows=opts.covariance_windows, calibrate=opts.uncertainty)
+                        checking = opts.step_check and fopts.sim_dt is None
+                        steps: List[Tuple[float, float, str, float]] = []    # (step, shift / sigma, worst, RMS)
+                        while True:
+                            change = halving_change(ref) if checking else None
+                            cov = gauss_newton_covariance(ref.problem, ref.w, ref.x0, noise_std_m=fopts.noise_std_m,
+                                                          max_windows=opts.covariance_windows,
+                                                          calibrate=opts.uncertainty, prediction_change=change)
+                            if not checking:
+                                break
+                            worst, moved = largest_shift(cov.shift, cov.std_devs)
+                            steps.append((ref.problem.sim_dt, moved, worst,
+                                          rms_per_coordinate(change, ref.problem.n_obs)))
+                            if moved <= opts.step_threshold_sigma or len(steps) > opts.step_halvings:
+                                break
+                            # the same windows and prior, from the fit, at half the step: a step too long biases
+                            # the estimate without showing in the residual (.stepcheck)
+                            _announce(callback, "engine_step", f"the last rung again at a "
+                                      f"{ref.problem.sim_dt / 2 * 1e3:.3g}-ms step (halving the step would move "
+                                      f"{worst} {moved:.2g} sigma)")
+                            finer = dataclasses.replace(fopts, sim_dt=ref.problem.sim_dt / 2, delay_s=ref.delay_s,
+                                                        prior_center=centre)
+                            t_refit = time.perf_counter()
+                            try:
+                                again = refine(structure, datasets, ref.params, finer, backend=opts.backend,
+                                               integrator=opts.integrator, callback=callback)
+                            except IdentificationError as exc:
+                                notes.append(f"the refit at a {finer.sim_dt * 1e3:.3g}-ms step failed ({exc}); the "
+                                             f"{ref.problem.sim_dt * 1e3:.3g}-ms fit stands")
+                                break
+                            fopts, ref = finer, again
+                            stage_fits[-1] = (float(fopts.window_s), ref)
+                            params, delay, rms, converged = ref.params, ref.delay_s, ref.residual_rms_m, ref.converged
+                            notes.extend(ref.notes)
+                            history.extend(ref.history)
+                            recordings = recording_residuals(ref, datasets)
+                            timings["engine_step_refits"] = (timings.get("engine_step_refits", 0.0)
+                                                             + time.perf_counter() - t_refit)
+                        if steps:
+                            step = StepCheck(*(tuple(x) for x in zip(*steps)),
+                                             threshold_sigma=opts.step_threshold_sigma)
                         calibration = dict(cov.calibration)
                         # stage-2 values supersede stage 1 for the parameters it estimated (the others keep theirs)
                         for n in cov.names:
@@ -670,7 +731,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                         nonid = [d for d in nonid if d.startswith("scale")] if ref.problem.gauge else []
                         nonid.extend(cov.weak_directions)
                         notes.extend(cov.notes)
-                        timings["covariance"] = time.perf_counter() - ts
+                        timings["covariance"] = time.perf_counter() - ts - timings.get("engine_step_refits", 0.0)
                     if opts.model_check:
                         ts = time.perf_counter()
                         _announce(callback, "model_check", "model check (residual against the marker noise)")
@@ -733,7 +794,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                                     stage_values=[(ws, {n: float(v) for n, v in r.params.named().items()})
                                                   for ws, r in stage_fits],
                                     held_out=heldout, prior_dominated=dominated, recordings=recordings,
-                                    string_law=law)
+                                    string_law=law, engine_step=step)
     except (IdentificationError, RuntimeError, np.linalg.LinAlgError, FloatingPointError) as exc:
         if not isinstance(exc, IdentificationError):
             wrapped = DivergenceError(f"{type(exc).__name__}: {exc}")

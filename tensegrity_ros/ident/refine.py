@@ -585,13 +585,8 @@ class RefineProblem:
         self.window_lengths = span                              # samples after each start that it covers (<= H)
         self.B_win = len(wid)
         # sample times relative to each window start -> fractional engine steps (irregular stamps are fine)
-        rel = np.stack(rel)                                     # (B, H + 1)
-        self.n_steps = int(math.ceil(rel[:, -1].max() / self.sim_dt - 1e-6))
-        self.f_steps = t(rel[:, 1:] / self.sim_dt)              # (B, H) fractional step index of each target
-        # sample index in force at each step (zero-order hold of external/control forces)
-        k_t = np.arange(self.n_steps) * self.sim_dt
-        self.hold_idx = torch.as_tensor(np.stack([np.clip(np.searchsorted(r, k_t + 1e-9, side="right") - 1, 0, H - 1)
-                                                  for r in rel]), device=self.device)   # (B, n_steps)
+        self._rel = np.stack(rel)                               # (B, H + 1)
+        self._set_step(self.sim_dt)
         if U:
             self.U = t(np.stack(U))                             # (B, M, A)
             self.U_t = t(np.stack(Uts))                         # (B, M) motor sample times rel. to the start
@@ -605,6 +600,25 @@ class RefineProblem:
         self.contiguous = [(k, k + 1) for k in range(self.B_win - 1)
                            if wid[k][0] == wid[k + 1][0] and wid[k + 1][1] - wid[k][1] == self.H]
 
+    def _set_step(self, h: float) -> None:
+        """The engine step ``h`` (s) and what follows from it: steps per window, each target's fractional step
+        index, and the sample in force at each step (zero-order hold of external and control forces)."""
+        rel, H = self._rel, self.H
+        self.sim_dt = float(h)
+        self.n_steps = int(math.ceil(rel[:, -1].max() / self.sim_dt - 1e-6))
+        self.f_steps = torch.as_tensor(rel[:, 1:] / self.sim_dt, dtype=self.dtype, device=self.device)   # (B, H)
+        k_t = np.arange(self.n_steps) * self.sim_dt
+        self.hold_idx = torch.as_tensor(np.stack([np.clip(np.searchsorted(r, k_t + 1e-9, side="right") - 1, 0, H - 1)
+                                                  for r in rel]), device=self.device)   # (B, n_steps)
+
+    def with_step(self, h: float) -> "RefineProblem":
+        """The same windows, targets and starts, rolled out with engine steps of ``h`` (s)."""
+        import copy
+        other = copy.copy(self)
+        other._workers = None
+        other._set_step(h)
+        return other
+
     def subset(self, idx: Sequence[int]) -> "RefineProblem":
         """A view of the problem on the windows ``idx`` (for Jacobians on a subset)."""
         import copy
@@ -614,6 +628,7 @@ class RefineProblem:
             v = getattr(self, name)
             if v is not None:
                 setattr(sub, name, v.index_select(0, ii))
+        sub._rel = self._rel[list(idx)]
         sub.n_obs = int(sub.mask.sum())
         sub.window_ids = [self.window_ids[i] for i in idx]
         sub.window_lengths = [self.window_lengths[i] for i in idx]

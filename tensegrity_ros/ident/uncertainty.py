@@ -64,6 +64,8 @@ class Covariance:
     #: take off it); with the sandwich also model_std_devs (the uncalibrated
     #: sigma^2 (J^T J + prior)^-1 ones) and block_over_white (per parameter, block / white sandwich std)
     calibration: Dict[str, object] = field(default_factory=dict)
+    #: with ``prediction_change``: by name, the step the estimate would take to follow that change (physical units)
+    shift: Dict[str, float] = field(default_factory=dict)
 
 
 def jacobian(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mode: str = "auto",
@@ -121,8 +123,8 @@ def _format(v: np.ndarray, names: List[str]) -> str:
 def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optional[torch.Tensor] = None, *,
                             noise_std_m: Optional[float] = None, max_windows: Optional[int] = 16,
                             rank_tol: float = 1e-9, identifiable_threshold: float = 0.9,
-                            weak_std: float = 0.1, jacobian: str = "auto", calibrate: str = "sandwich"
-                            ) -> Covariance:
+                            weak_std: float = 0.1, jacobian: str = "auto", calibrate: str = "sandwich",
+                            prediction_change: Optional[torch.Tensor] = None) -> Covariance:
     """Gauss-Newton covariance at the refined point (see the module docstring).
 
     noise_std_m: the residual noise level (None: estimated from the residuals). max_windows: Jacobians on
@@ -131,6 +133,9 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     method of :meth:`RefineProblem.jacobian_blocks`. calibrate: ``sandwich`` (default; see the module
     docstring: the standard deviations follow the residual's actual size and its correlation within windows,
     and include the prior) or ``none`` (sigma^2 (J^T J + prior)^-1 with sigma = ``noise_std_m``).
+    prediction_change: (B, H, No, 3) m over all of the problem's windows, a change of the model's predictions
+    (:func:`.stepcheck.halving_change`): ``Covariance.shift`` is then the Gauss-Newton step that the estimate
+    would take to follow it (window starts refitted), in physical units.
     """
     if calibrate not in CALIBRATIONS:
         raise ValueError(f"gauss_newton_covariance: calibrate = {calibrate!r} (valid: {', '.join(CALIBRATIONS)})")
@@ -195,6 +200,16 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
         g_prior[:nb] = Pw[:nb, :nb] @ w[:nb].detach().cpu().double().numpy() + gp0.detach().cpu().double().numpy()
         g += g_prior
     gn_decrease = float(g @ Hinv @ g)
+    dw_change = None
+    if prediction_change is not None:
+        # the residual becomes r + d: at the optimum (J^T r + the prior's gradient = 0) the Gauss-Newton step is
+        # -H^-1 J^T d, the windows' starts eliminated as in the score above
+        d = prediction_change.detach().to(device=rsub.device, dtype=rsub.dtype)
+        d = d.index_select(0, torch.as_tensor(idx, device=d.device)).reshape(rsub.shape)
+        sd = torch.einsum("bri,br->bi", Jw, d)
+        if Je is not None:
+            sd = sd - torch.einsum("bij,bjk,bk->bi", Hwe, Heep, torch.einsum("brk,br->bk", Je, d))
+        dw_change = -(Hinv @ (scale * sd.sum(dim=0).detach().cpu().double().numpy()))
     calib: Dict[str, np.ndarray] = {}
     if calibrate == "sandwich":
         # the estimate's error is H^-1 (sum_k g_k + sigma^2 P (prior mean - truth)), g_k = window k's score:
@@ -220,6 +235,7 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
         Jz[P, nb] = DELAY_UNIT_S
     Cz = Jz @ Cw @ Jz.T
     Czs = {k: Jz @ c @ Jz.T for k, c in calib.items()}
+    dz_change = None if dw_change is None else Jz @ dw_change
     _, zf = prob.finalize(w)
     names = prob.names
     kinds = [kind_of(n) for n in names]
@@ -239,6 +255,7 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
         Jf = np.eye(P + 1) + np.outer(s, dc)
         Cz = Jf @ Cz @ Jf.T
         Czs = {k: Jf @ c @ Jf.T for k, c in Czs.items()}
+        dz_change = None if dz_change is None else Jf @ dz_change
         gauge_desc = f"total moving mass fixed at {prob.total_mass:g} kg"
     D = np.ones(P + 1)
     D[:P] = physical_jacobian_diag(kinds, zf, prob.template.meta.nominal_rest_length)
@@ -312,9 +329,10 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
             score = 0.0
         ident[n] = score
         identifiable[n] = score >= identifiable_threshold
+    shift = {} if dz_change is None else {n: float(D[i] * dz_change[i]) for i, n in zip(out_idx, out_names)}
     return Covariance(names=out_names, cov=cov, std_devs=std, identifiability=ident, identifiable=identifiable,
                       ratios=ratios, weak_directions=weak, sigma_m=float(sigma), gauge=gauge_desc, notes=notes,
-                      calibration=calibration)
+                      calibration=calibration, shift=shift)
 
 
 #: the largest share of a direction's information that the prior may hold for :func:`_prior_bias_outer` to undo the
