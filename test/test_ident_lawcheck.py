@@ -71,7 +71,10 @@ def test_law_check_names_the_recorded_law_from_either_file(recorded, seed):
     # the same two models scored on the same windows, whichever file it started from
     assert w.windows == r.windows >= 4
     assert w.other_rms_m < w.file_rms_m and r.file_rms_m < r.other_rms_m
-    assert w.other_rms_m == pytest.approx(r.file_rms_m, rel=0.02)
+    # (2 % until stop 39; since the twin keeps the slack gate the hoist's lateral strings go slack in its recordings
+    # as in the engine, and the 0.5-s predictions follow s3/s4's rest lengths, 0.2 mm apart between the two fits:
+    # 2.05 against 2.21 mm measured)
+    assert w.other_rms_m == pytest.approx(r.file_rms_m, rel=0.1)
     # the wrong file's alternative fit carries the right law's stiffnesses (the right file's fit, within 2 %)
     for n in ("s1.stiffness", "s2.stiffness"):
         assert w.other_values[n] == pytest.approx(right.values()[n], rel=0.02)

@@ -106,7 +106,12 @@ OPTIONS = IdentifyOptions.from_flat(estimate=("stiffness", "damping"),
                                     refine_kinds=("stiffness", "damping", "rest_length"), window_s=0.1,
                                     max_windows=16, max_iter=8, longer_windows=((0.5, 8, 3),),
                                     prior_std={"stiffness": 0.2, "damping": 0.2, "rest_length": 0.003},
-                                    noise_std_m=1e-3)
+                                    noise_std_m=1e-3,
+                                    # the engine-step check refits these fits at 1 and 0.5 ms (the hoist's lateral
+                                    # strings go slack): 3x the time, and not what these tests are about (the
+                                    # check: test_ident_uncertainty.py). The law check compares two files' fits, which
+                                    # must then share a step (the right file's would be refitted, the wrong one's not)
+                                    step_check=False)
 
 
 @pytest.mark.parametrize("recorded,seed", [("spring", 0), ("cord", 1)])
