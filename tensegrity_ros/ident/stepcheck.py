@@ -17,10 +17,10 @@ Measured on the test hoist of ``test_ident_uncertainty.py`` (a 1-kg rod on two a
 strings slack 60 % of the time; MuJoCo-twin recordings, 6 s at 125 Hz, 1 mm noise, 16 windows of 0.5 s, 6 seeds;
 the engine step fixed): 2 ms (the default there), 89 % of the truths inside +-2 sigma, z-RMS 1.25-1.38, the actuated
 strings' stiffnesses low in 11 of 12 fits; 1 ms, 92 %, 1.06-1.20; 0.5 ms, 93 %, 0.94-1.17. The predictions' own
-change is reported beside (``differences_m``, RMS per coordinate): 0.12-0.15 mm at 2 ms there, but 0.07-0.10 mm
-on the generality suite's structures at 1.67 ms, where the estimates do not move by a tenth of that much in sigma
-(docs/identification.md, "The engine's step"): a threshold on it alone would either miss the hoist or refit the
-suite for nothing.
+change is reported beside (``differences_m``, RMS per coordinate), but does not rank the cases: 0.12-0.15 mm at
+2 ms on the hoist (the estimate 0.59-1.1 sigma), 0.07-0.10 mm on the generality suite's structures at 1.67 ms
+(0.21-0.52 sigma; docs/identification.md, "The engine's step"). What matters is whether the change lies along the
+parameters.
 """
 from __future__ import annotations
 
