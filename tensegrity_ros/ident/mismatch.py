@@ -40,7 +40,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["MismatchOptions", "NoiseEstimate", "ResidualStructure", "ModelMismatch", "noise_from_tracks",
-           "pooled_noise", "residual_structure", "check_model"]
+           "residual_structure", "check_model"]
 
 #: 1.4826 MAD = std for a Gaussian
 MAD_TO_STD = 1.482602218505602
@@ -222,17 +222,6 @@ def residual_structure(residuals: np.ndarray, mask: np.ndarray, lags: int = 5) -
     return ResidualStructure(tuple(rho), float(q), p, math.sqrt(max(gamma1, 0.0)), pairs1)
 
 
-def pooled_noise(times_positions_valid: Sequence[Tuple[np.ndarray, np.ndarray, np.ndarray]], nodes: Sequence[int],
-                 options: MismatchOptions = MismatchOptions()) -> Tuple[float, int]:
-    """(noise std per coordinate in m, differences used) of several recordings' tracks pooled
-    (:func:`noise_from_tracks` on each; NaN and 0 when none gives an estimate)."""
-    o = options
-    ests = [noise_from_tracks(t, X, V, nodes, o.difference_order, o.regular_tol) for t, X, V in times_positions_valid]
-    ests = [e for e in ests if e.n > 0 and math.isfinite(e.std_m)]
-    n_d = sum(e.n for e in ests)
-    return (math.sqrt(sum(e.n * e.std_m ** 2 for e in ests) / n_d) if n_d else math.nan), n_d
-
-
 def check_model(times_positions_valid: Sequence[Tuple[np.ndarray, np.ndarray, np.ndarray]], nodes: Sequence[int],
                 residuals: np.ndarray, mask: np.ndarray, n_unknowns: int,
                 options: MismatchOptions = MismatchOptions(), gn_rss_decrease_m2: Optional[float] = None
@@ -248,7 +237,10 @@ def check_model(times_positions_valid: Sequence[Tuple[np.ndarray, np.ndarray, np
         nothing about the model yet: status ``fit_not_converged``, ``mismatch`` None.
     """
     o = options
-    noise, n_d = pooled_noise(times_positions_valid, nodes, o)
+    ests = [noise_from_tracks(t, X, V, nodes, o.difference_order, o.regular_tol) for t, X, V in times_positions_valid]
+    ests = [e for e in ests if e.n > 0 and math.isfinite(e.std_m)]
+    n_d = sum(e.n for e in ests)
+    noise = math.sqrt(sum(e.n * e.std_m ** 2 for e in ests) / n_d) if n_d else math.nan
     r = np.asarray(residuals, dtype=float)
     mk = np.asarray(mask, dtype=bool)
     n_res = int(3 * mk.sum())

@@ -33,7 +33,7 @@ from .refine import RefineOptions, RefineProblem, RefineResult, refine, without_
 from .regression import RegressionOptions, RegressionResult, regress
 from .stepcheck import DEFAULT_HALVINGS as DEFAULT_STEP_HALVINGS
 from .stepcheck import DEFAULT_THRESHOLD_SIGMA as DEFAULT_STEP_THRESHOLD_SIGMA
-from .stepcheck import StepCheck, halving_change, largest_shift, rms_per_coordinate
+from .stepcheck import StepCheck, halving_change, largest_shift
 
 __all__ = ["IdentifyOptions", "IdentificationResult", "identify", "STAGES", "structure_prior_std", "rung_windows"]
 
@@ -99,9 +99,9 @@ class IdentifyOptions:
         :func:`structure_prior_std`), derivatives, windows (``window_s``, ``max_windows``, ``sim_dt``,
         ``optimize_initial_states``, ``bridge_start_gaps``), ``max_iter``, ``optimizer``, ``max_time_s``,
         ``device`` (``None``/``"cpu"``, ``"cuda"`` or ``"auto"``: cuda when available), ``workers`` (stage 2's
-        windows, its Levenberg-Marquardt residuals and Jacobians and the covariance's Jacobians, spread over this many forked processes; Linux
-        CPU only, same results; on the manipulator bench two gave 1.77x on 24 x 0.1-s Jacobians and 1.54x on
-        8 x 1.0-s ones). Its windows, data and engine also make the stage-2 start probe, the stage-1-only
+        windows, its Levenberg-Marquardt residuals and Jacobians and the covariance's Jacobians, spread over this
+        many forked processes; Linux CPU only, same results; on the manipulator bench two gave 1.77x on 24 x 0.1-s
+        Jacobians and 1.54x on 8 x 1.0-s ones). Its windows, data and engine also make the stage-2 start probe, the stage-1-only
         residual and the held-out windows (:meth:`RefineProblem.for_prediction`).
     longer_windows: continuation of stage 2, ``((window_s, max_windows, max_iter), ...)`` (``max_windows``
         ``"auto"``: :func:`rung_windows`, from the recorded time): after the fit on
@@ -691,8 +691,8 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                             if not checking:
                                 break
                             worst, moved = largest_shift(cov.shift, cov.std_devs)
-                            steps.append((ref.problem.sim_dt, moved, worst,
-                                          rms_per_coordinate(change, ref.problem.n_obs)))
+                            steps.append((ref.problem.sim_dt, moved, worst,       # the change's RMS per coordinate
+                                          ref.problem.residual_rms(change) / math.sqrt(3.0)))
                             if moved <= opts.step_threshold_sigma or len(steps) > opts.step_halvings:
                                 break
                             # the same windows and prior, from the fit, at half the step: a step too long biases

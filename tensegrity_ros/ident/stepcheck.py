@@ -29,7 +29,7 @@ from typing import Any, Dict, Mapping, Tuple
 
 import torch
 
-__all__ = ["StepCheck", "halving_change", "rms_per_coordinate", "largest_shift"]
+__all__ = ["StepCheck", "halving_change", "largest_shift"]
 
 #: refit at half the step when halving it would move some estimate by more than this many of its sigmas
 DEFAULT_THRESHOLD_SIGMA = 0.25
@@ -45,11 +45,6 @@ def halving_change(ref) -> torch.Tensor:
     x0 = None if ref.x0 is None else ref.x0.detach()
     with torch.no_grad():
         return prob.with_step(prob.sim_dt / 2).residuals(w, x0) - prob.residuals(w, x0)
-
-
-def rms_per_coordinate(change: torch.Tensor, n_obs: int) -> float:
-    """RMS per coordinate (m) of a masked (B, H, No, 3) change over ``n_obs`` observed node samples."""
-    return float(torch.sqrt((change ** 2).sum() / (3 * max(int(n_obs), 1))))
 
 
 def largest_shift(shift: Mapping[str, float], std: Mapping[str, float]) -> Tuple[str, float]:

@@ -156,14 +156,20 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     with window_workers(sub, prob.opts.workers):
         rsub, Jw, Je = sub.jacobian_blocks(w, x0s, jacobian)           # (Bs, R), (Bs, R, n_w), (Bs, R, ne)
     Hww = torch.einsum("bri,brj->ij", Jw, Jw)
-    score = torch.einsum("bri,br->bi", Jw, rsub)                       # (Bs, n_w) per-window score J_w^T r
     if Je is not None:
         Hwe = torch.einsum("bri,brj->bij", Jw, Je)
         Hee = torch.einsum("bri,brj->bij", Je, Je)
         Heep = torch.linalg.pinv(Hee, hermitian=True)
         Hww = Hww - torch.einsum("bij,bjk,blk->il", Hwe, Heep, Hwe)
-        # the score with each window's start eliminated (Schur): J_w^T r - H_we H_ee^+ J_e^T r
-        score = score - torch.einsum("bij,bjk,bk->bi", Hwe, Heep, torch.einsum("brk,br->bk", Je, rsub))
+
+    def window_scores(v: torch.Tensor) -> torch.Tensor:
+        """(Bs, n_w) per-window J_w^T v with each window's start eliminated (Schur): J_w^T v - H_we H_ee^+ J_e^T v."""
+        s = torch.einsum("bri,br->bi", Jw, v)
+        if Je is not None:
+            s = s - torch.einsum("bij,bjk,bk->bi", Hwe, Heep, torch.einsum("brk,br->bk", Je, v))
+        return s
+
+    score = window_scores(rsub)                                         # (Bs, n_w) per-window score
     Hww = 0.5 * (Hww + Hww.T) * scale
     Hdata = Hww.detach().cpu().double().numpy()
     meat_block = scale * (score.T @ score).detach().cpu().double().numpy()   # sum over windows of g_k g_k^T
@@ -206,10 +212,7 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
         # -H^-1 J^T d, the windows' starts eliminated as in the score above
         d = prediction_change.detach().to(device=rsub.device, dtype=rsub.dtype)
         d = d.index_select(0, torch.as_tensor(idx, device=d.device)).reshape(rsub.shape)
-        sd = torch.einsum("bri,br->bi", Jw, d)
-        if Je is not None:
-            sd = sd - torch.einsum("bij,bjk,bk->bi", Hwe, Heep, torch.einsum("brk,br->bk", Je, d))
-        dw_change = -(Hinv @ (scale * sd.sum(dim=0).detach().cpu().double().numpy()))
+        dw_change = -(Hinv @ (scale * window_scores(d).sum(dim=0).detach().cpu().double().numpy()))
     calib: Dict[str, np.ndarray] = {}
     if calibrate == "sandwich":
         # the estimate's error is H^-1 (sum_k g_k + sigma^2 P (prior mean - truth)), g_k = window k's score:
