@@ -131,6 +131,36 @@ def test_start_fits_take_float32_columns_and_reach_float64s_errors(monkeypatch):
     assert np.all(mse64 < 0.5 * measured), (mse64, measured)
 
 
+def test_start_fits_under_window_workers_score_the_parameters_asked_for(monkeypatch):
+    """Forked window workers evaluate the problem as it was built. ``fitted_start_mse`` on a problem whose workers
+    run scores the parameters it is given: the build's on the workers, any others in this process (until stop 40
+    the workers silently scored the build's parameters for every set)."""
+    from tensegrity_ros.ident import heldout
+    from tensegrity_ros.ident.workers import WindowWorkers, can_fork, window_workers
+    if not can_fork(torch.device("cpu")):
+        pytest.skip("no fork on this platform")
+    s = actuated_pendulum()
+    p = params_from_structure(s)
+    X0, V0 = random_initial_state(s, np.random.default_rng(0))
+    ds = add_marker_noise(simulate_dataset(s, p, X0, V0, dt=1e-3, steps=600, every=8, motor_fn=pendulum_drive),
+                          1e-3, np.random.default_rng(1))
+    other = p.map(lambda t: t * 1.1)
+    prob = RF.RefineProblem.for_prediction(s, [ds], p, RefineOptions(window_s=0.2, smooth_window_s=0.05))
+    serial = [heldout.fitted_start_mse(prob, q, 0.0, 2) for q in (p, other)]
+    assert not np.allclose(serial[0], serial[1], rtol=1e-3)
+    calls = []
+    real_map = WindowWorkers.map
+    monkeypatch.setattr(WindowWorkers, "map", lambda self, *a, **k: calls.append(a[0]) or real_map(self, *a, **k))
+    with window_workers(prob, 2) as workers:
+        assert workers is not None
+        forked = [heldout.fitted_start_mse(prob, p, 0.0, 2)]
+        on_workers = len(calls)
+        forked.append(heldout.fitted_start_mse(prob, other, 0.0, 2))
+    np.testing.assert_allclose(forked[0], serial[0], rtol=1e-9)
+    np.testing.assert_allclose(forked[1], serial[1], rtol=1e-9)
+    assert on_workers > 0 and len(calls) == on_workers      # the build's set ran on the workers, the other did not
+
+
 def test_auto_jacobian_falls_back_where_there_is_no_tangent_model():
     assert tangent.supports(make_engine(MANIPULATOR))
     assert not tangent.supports(make_engine(MANIPULATOR, integrator="rk4"))

@@ -161,6 +161,28 @@ def test_icosahedron_random_trajectories_finite_and_conserve_energy():
     assert np.ptp(energy) / energy[0] < 1e-5, f"relative energy drift {np.ptp(energy) / energy[0]:.2e}"
 
 
+def test_simulate_holds_each_steps_mid_drive(manipulator):
+    """MuJoCo holds ctrl over a step, so ``simulate`` must hold the drive's value at the step's middle, with the
+    step's mean rate, while it records the drive at the sample times (an encoder's reading). Until stop 40 it held
+    the step's END value, running the drive half a step ahead of the angles it recorded."""
+    held = []
+
+    class Spy(TwinSim):
+        def step(self, motor_angles=None, n_steps=1, motor_velocities=None, observe=True):
+            if motor_angles is not None and n_steps == 1:
+                held.append((self.time, np.ravel(motor_angles), np.ravel(motor_velocities)))
+            return super().step(motor_angles, n_steps, motor_velocities, observe)
+
+    dt = 1e-3
+    tr = simulate(manipulator, seed_drive, 0.05, record_hz=100, timestep=dt, progress=False,
+                  sim=Spy(manipulator, timestep=dt))
+    assert len(held) == 50
+    for t, u, ud in held:
+        np.testing.assert_allclose(u, seed_drive(t + dt / 2), rtol=0, atol=1e-12)
+        np.testing.assert_allclose(ud, (seed_drive(t + dt) - seed_drive(t)) / dt, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(tr.motor_angles, [seed_drive(t) for t in tr.times], rtol=0, atol=1e-12)
+
+
 def test_simulate_and_run(manipulator):
     tr = simulate(manipulator, seed_drive, 0.5, record_hz=120, progress=False)
     assert tr.positions.shape == (61, 36, 3) and tr.motor_angles.shape == (61, 6)

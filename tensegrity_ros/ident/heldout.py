@@ -164,6 +164,10 @@ def fitted_start_mse(prob: RefineProblem, params: Params, delay_s: float = 0.0, 
     p.template = params.map(lambda t: t.detach().to(dtype=prob.dtype, device=prob.device))
     p.z_start = to_unconstrained(p.template).detach()
     p.opts = dataclasses.replace(prob.opts, delay_s=float(delay_s), estimate_delay=False)
+    if p._workers is not None and not (torch.equal(p.z_start, prob.z_start) and float(delay_s) == prob.opts.delay_s
+                                       and not prob.opts.estimate_delay):
+        # forked window workers evaluate the problem as it was built: other parameters are evaluated here
+        p._workers = None
     w = p.initial_w(float(delay_s))
     nf = len(p.top.free_nodes)
     x0 = torch.zeros(p.B_win, nf, 6, dtype=p.dtype, device=p.device)

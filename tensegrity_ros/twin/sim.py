@@ -334,8 +334,8 @@ def simulate(structure: Structure, motor_angle_fn: Optional[MotorAngleFn], durat
              sim: Optional[TwinSim] = None, **sim_kwargs) -> Trajectory:
     """Run the twin for ``duration`` s and record nodes, velocities, motor angles and tensions at ``record_hz``.
 
-    ``motor_angle_fn(t)`` gives the motor angles (rad) at sim time t (None: motors at zero offset). The motor
-    command is refreshed every timestep. ``settle`` seconds are run first with the motors at ``fn(0)`` (not
+    ``motor_angle_fn(t)`` gives the motor angles (rad) at sim time t (None: motors at zero offset). Each timestep
+    holds the drive's mid-step value and mean rate; ``motor_angles`` records the drive at the sample times. ``settle`` seconds are run first with the motors at ``fn(0)`` (not
     recorded; time restarts at 0). A tqdm bar is shown for runs over 2000 steps (``progress`` forces it).
     """
     sim = sim or TwinSim(structure, timestep=timestep, **sim_kwargs)
@@ -357,14 +357,19 @@ def simulate(structure: Structure, motor_angle_fn: Optional[MotorAngleFn], durat
     out_u, out_T = np.zeros((n_rec, n_act)), np.zeros((n_rec, S))
     t0 = sim.time
 
+    # The drive over a step [t, t + dt] is held at its mid-step value with the step's mean rate: MuJoCo holds ctrl
+    # over a step, and holding the value at the step's end (as until stop 40) ran the drive half a step (0.5 ms at
+    # 1 ms) ahead of the angles recorded, which are the continuous drive's at the sample times (an encoder's).
+    end = np.asarray(fn(0.0), dtype=float)          # the drive at the current step's start, then at its end
+
     def record(k):
         out_t[k] = sim.time - t0
         out_p[k], out_v[k] = sim.node_positions(), sim.node_velocities()
-        out_u[k] = sim.motor_angles if n_act else out_u[k]
+        out_u[k] = end if n_act else out_u[k]
         out_T[k] = sim.string_tensions()
 
     if n_act:
-        sim.set_motor_angles(fn(sim.time - t0))
+        sim.set_motor_angles(end)
         sim.step(None, n_steps=0)
     record(0)
     show = progress if progress is not None else n_steps > 2000
@@ -375,7 +380,12 @@ def simulate(structure: Structure, motor_angle_fn: Optional[MotorAngleFn], durat
     done = 0
     for k in range(1, n_rec):
         while done < at_step[k]:
-            sim.step(fn(sim.time - t0 + sim.dt) if n_act else None, n_steps=1)
+            if n_act:
+                start, ts = end, sim.time - t0
+                end = np.asarray(fn(ts + sim.dt), dtype=float)
+                sim.step(fn(ts + 0.5 * sim.dt), n_steps=1, motor_velocities=(end - start) / sim.dt)
+            else:
+                sim.step(None, n_steps=1)
             done += 1
         record(k)
         if bar is not None:
