@@ -17,7 +17,6 @@ Pure functions over the stage-2 problem; no ROS.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -25,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..engine import Params, to_unconstrained
+from ..engine import Params
 from ..model import Structure
 from ..param_names import RELATIVE_KINDS, kind_of
 from .data import Dataset
@@ -157,17 +156,8 @@ def fitted_start_mse(prob: RefineProblem, params: Params, delay_s: float = 0.0, 
     columns in :data:`START_FIT_TANGENT_DTYPE`, the stage-2 truncation :data:`~.refine.X0_RCOND`): the parameters
     are judged, not the noise of a measured start (open loop from the measured starts the 1-mm marker noise alone
     gave ~10 mm over 0.2 s on the hoist)."""
-    import copy
-
     from .refine import X0_RCOND
-    p = copy.copy(prob)
-    p.template = params.map(lambda t: t.detach().to(dtype=prob.dtype, device=prob.device))
-    p.z_start = to_unconstrained(p.template).detach()
-    p.opts = dataclasses.replace(prob.opts, delay_s=float(delay_s), estimate_delay=False)
-    if p._workers is not None and not (torch.equal(p.z_start, prob.z_start) and float(delay_s) == prob.opts.delay_s
-                                       and not prob.opts.estimate_delay):
-        # forked window workers evaluate the problem as it was built: other parameters are evaluated here
-        p._workers = None
+    p = prob.with_params(params, delay_s)
     w = p.initial_w(float(delay_s))
     nf = len(p.top.free_nodes)
     x0 = torch.zeros(p.B_win, nf, 6, dtype=p.dtype, device=p.device)

@@ -101,8 +101,8 @@ class IdentifyOptions:
         ``device`` (``None``/``"cpu"``, ``"cuda"`` or ``"auto"``: cuda when available), ``workers`` (stage 2's
         windows, its Levenberg-Marquardt residuals and Jacobians and the covariance's Jacobians, spread over this
         many forked processes; Linux CPU only, same results; on the manipulator bench two gave 1.77x on 24 x 0.1-s
-        Jacobians and 1.54x on 8 x 1.0-s ones). Its windows, data and engine also make the stage-2 start probe, the stage-1-only
-        residual and the held-out windows (:meth:`RefineProblem.for_prediction`).
+        Jacobians and 1.54x on 8 x 1.0-s ones). Its windows, data and engine also make the stage-2 start probe, the
+        stage-1-only residual and the held-out windows (:meth:`RefineProblem.for_prediction`).
     longer_windows: continuation of stage 2, ``((window_s, max_windows, max_iter), ...)`` (``max_windows``
         ``"auto"``: :func:`rung_windows`, from the recorded time): after the fit on
         ``refine.window_s`` windows, fit again on longer windows, each run starting from the previous result (the

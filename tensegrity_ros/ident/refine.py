@@ -619,6 +619,20 @@ class RefineProblem:
         other._set_step(h)
         return other
 
+    def with_params(self, params: Params, delay_s: float) -> "RefineProblem":
+        """The same windows and free columns around ``params``, the motor delay held at ``delay_s`` (s). The window
+        workers evaluate the problem as it was built, so the copy keeps them only for the parameters and delay it
+        was built with."""
+        import copy
+        other = copy.copy(self)
+        other.template = params.map(lambda t: t.detach().to(dtype=self.dtype, device=self.device))
+        other.z_start = to_unconstrained(other.template).detach()
+        other.opts = dataclasses.replace(self.opts, delay_s=float(delay_s), estimate_delay=False)
+        if not (torch.equal(other.z_start, self.z_start) and float(delay_s) == self.opts.delay_s
+                and not self.opts.estimate_delay):
+            other._workers = None
+        return other
+
     def subset(self, idx: Sequence[int]) -> "RefineProblem":
         """A view of the problem on the windows ``idx`` (for Jacobians on a subset)."""
         import copy

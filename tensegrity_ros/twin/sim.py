@@ -335,8 +335,9 @@ def simulate(structure: Structure, motor_angle_fn: Optional[MotorAngleFn], durat
     """Run the twin for ``duration`` s and record nodes, velocities, motor angles and tensions at ``record_hz``.
 
     ``motor_angle_fn(t)`` gives the motor angles (rad) at sim time t (None: motors at zero offset). Each timestep
-    holds the drive's mid-step value and mean rate; ``motor_angles`` records the drive at the sample times. ``settle`` seconds are run first with the motors at ``fn(0)`` (not
-    recorded; time restarts at 0). A tqdm bar is shown for runs over 2000 steps (``progress`` forces it).
+    holds the drive's mid-step value and mean rate; ``motor_angles`` records the drive at the sample times.
+    ``settle`` seconds are run first with the motors at ``fn(0)`` (not recorded; time restarts at 0). A tqdm bar is
+    shown for runs over 2000 steps (``progress`` forces it).
     """
     sim = sim or TwinSim(structure, timestep=timestep, **sim_kwargs)
     if initial_positions is not None:
