@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from tensegrity_ros.bags import (JOINT_STATE, POSE_ARRAY, JointSeries, MarkerSeries, TopicNames, read_robot_bag,
                                  write_robot_bag)
@@ -136,6 +137,25 @@ def test_identify_fits_several_bags_jointly(recorded, tmp_path, capsys):
         assert (report / name).is_file(), name
     assert "recording 2" in (report / "parameters.md").read_text()
     assert main(["validate", str(out)]) == 0
+
+
+def test_identify_jackknife_widens_sigma_and_says_so(recorded, tmp_path, capsys):
+    """``--jackknife``: the last stage refitted once per window without it; summary.json and the console say so,
+    and no standard deviation shrinks (stop 41; docs/identification.md "The window jackknife")."""
+    common = ["identify", str(recorded / "bag"), "--model", str(MANIPULATOR), "--max-iter", "2", "--windows", "4",
+              "--longer-windows", "none", "--holdout", "0", "--no-law-check", "--no-step-check", "--force"]
+    plain, jk = tmp_path / "plain.yaml", tmp_path / "jk.yaml"
+    assert main(common + ["--out", str(plain)]) == 0
+    capsys.readouterr()
+    assert main(common + ["--out", str(jk), "--report", str(tmp_path / "report"), "--jackknife"]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["jackknife"]["windows"] == summary["jackknife"]["refits"] == 4
+    assert "standard deviations widened by the window jackknife (4 refits" in printed
+    before = yaml.safe_load(plain.read_text())["std_devs"]
+    after = yaml.safe_load(jk.read_text())["std_devs"]
+    assert before.keys() == after.keys()
+    assert all(after[n] >= before[n] * (1 - 1e-9) for n in before) and any(after[n] > before[n] * 1.01 for n in before)
 
 
 def test_several_bags_of_different_robots_exit_2(recorded, tmp_path, capsys):

@@ -1,6 +1,8 @@
 """Stage 2 (refinement through engine rollouts): actuator mapping, rest lengths, motor delay, optimisers."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -160,8 +162,6 @@ def test_levenberg_marquardt_stops_once_within_chi2_of_the_minimum(pendulum_data
     """Levenberg-Marquardt stops once an iteration lowers chi^2 by less than converged_chi2 and the geometric tail
     of its decreases is below it too (RefineOptions.converged_chi2): in fewer iterations than the strict stop, at a
     loss within converged_chi2 of the strict one."""
-    import dataclasses
-
     from tensegrity_ros.ident import add_marker_noise
     from tensegrity_ros.ident.refine import _within_chi2_of_minimum
     assert not _within_chi2_of_minimum([100.0], 0.25)            # one iteration: no rate yet
@@ -189,8 +189,6 @@ def test_a_window_starts_where_a_marker_is_missing(pendulum_data):
     estimated by the smoothing fit from the node's neighbours on both sides, so the window is kept (by default it
     is dropped, with its data), and that start lies where the measured one would: within the smoothing's own
     error."""
-    import dataclasses
-
     from tensegrity_ros.ident.refine import RefineProblem
     s, nominal, true, ds = pendulum_data
     ds = dataclasses.replace(ds, velocities=None)       # as recorded: positions only
@@ -220,12 +218,28 @@ def test_a_window_starts_where_a_marker_is_missing(pendulum_data):
     assert edge.window_ids[1:] == gappy.window_ids[1:] and edge.window_ids[0][1] > 0
 
 
+def test_only_windows_fits_exactly_the_windows_named(pendulum_data):
+    """``only_windows`` cuts exactly the windows it names (the window jackknife refits a fit's windows less one),
+    whatever ``max_windows`` would have spread, and refuses a window these recordings do not have."""
+    from tensegrity_ros.ident.errors import NotEnoughDataError
+    from tensegrity_ros.ident.refine import RefineProblem
+    s, nominal, true, ds = pendulum_data
+    opts = RefineOptions(kinds=(), window_s=0.1)
+    ids = RefineProblem(s, [ds], true, opts).window_ids
+    assert len(ids) > 6
+    chosen = tuple(ids[1:4] + ids[5:6])
+    sub = RefineProblem(s, [ds], true, dataclasses.replace(opts, only_windows=chosen, max_windows=2))
+    assert sub.window_ids == list(chosen)
+    full = RefineProblem(s, [ds], true, opts)
+    np.testing.assert_array_equal(sub.targets.numpy(), full.targets.numpy()[[1, 2, 3, 5]])
+    with pytest.raises(NotEnoughDataError, match="only_windows"):
+        RefineProblem(s, [ds], true, dataclasses.replace(opts, only_windows=chosen + ((0, ids[1][1] + 1),)))
+
+
 def test_a_window_start_moves_past_a_long_dropout(pendulum_data):
     """A marker hidden longer than the smoothing can bridge (behind a bar for a while) leaves no state estimate at
     the grid's start: the window starts at the first sample after it that has one, at most half a window later,
     and keeps the grid's end, so that it never reaches into the next window's samples."""
-    import dataclasses
-
     from tensegrity_ros.ident.refine import RefineProblem, without_windows
     s, nominal, true, ds = pendulum_data
     ds = dataclasses.replace(ds, velocities=None)

@@ -104,6 +104,11 @@ def add_arguments(parser) -> None:
                              "some estimate by more than 0.25 of its sigma, refit the last stage at half the step, "
                              "up to twice (default: on; strings that go slack need it: docs/identification.md "
                              "'The engine's step'; each refit costs about twice the last stage before it)")
+    parser.add_argument("--jackknife", action="store_true",
+                        help="last, refit the last stage once per window without that window (3 iterations each) "
+                             "and add the spread of those fits to the standard deviations: sigma that hold where "
+                             "the objective is far from quadratic (unweighed masses), at one refit per window "
+                             "(off by default; docs/identification.md 'The window jackknife')")
     parser.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (default: auto, cuda when present)")
     parser.add_argument("--workers", default="auto",
                         help="processes that share stage 2's windows on a Linux CPU (same result, ~1.5-1.8x faster "
@@ -202,7 +207,7 @@ def run(args) -> int:
                                         heldout_fraction=holdout or 0.1,
                                         law_check=args.law_check and "refine" in stages,
                                         set_aside_outlying=True, bridge_start_gaps=args.bridge_occlusions,
-                                        step_check=args.step_check)
+                                        step_check=args.step_check, jackknife=args.jackknife)
     iters = args.max_iter + sum(it for _, _, it in longer)
     with progress_bar(iters if "refine" in stages else 1, "identifying") as bar:
         last = {"iteration": None}
@@ -213,6 +218,9 @@ def run(args) -> int:
             # callback also reports each run's starting point (iteration 0) and every chord step.
             if info.get("event") == "start":          # a step after the fit: say what runs now
                 (bar.write if hasattr(bar, "write") else print)(f"{info.get('what', info['stage'])} ...")
+                if info.get("iterations"):             # a step with iterations of its own (the jackknife's refits)
+                    bar.total = bar.n + int(info["iterations"])
+                    bar.refresh()
                 return
             if info.get("stage") == "regression":
                 return

@@ -13,6 +13,7 @@
 * :mod:`.heldout` -- held-out windows set aside before the fit; fit vs nominal on them; parameters the data
   cannot move.
 * :mod:`.lawcheck` -- which stiffness law the actuated strings follow: the file's, refitted against the other.
+* :mod:`.jackknife` -- standard deviations widened by how much each window moves the fit (``--jackknife``).
 * :mod:`.pipeline` -- :func:`identify`, the single entry point.
 * :mod:`.online` -- the online identifier's core: sliding window, the worker's fit (:func:`~.online.fit_window`),
   accept / reject (:func:`~.online.decide`) and drift.

@@ -27,6 +27,7 @@ from ..param_names import GAUGE_KINDS, join_name, kind_of
 from .data import Dataset, screen_dataset
 from .errors import DataError, DivergenceError, IdentificationError, NotEnoughDataError
 from .heldout import HeldOutCheck, compare_on_held_out, prior_dominated, reserve_held_out
+from .jackknife import DEFAULT_ITERATIONS as JACKKNIFE_ITERATIONS, Jackknife, widen as jackknife_widen, window_jackknife
 from .lawcheck import LawCheck, check_string_law, widen
 from .mismatch import MismatchOptions, ModelMismatch, check_model
 from .refine import RefineOptions, RefineProblem, RefineResult, refine, without_windows
@@ -150,6 +151,10 @@ class IdentifyOptions:
         ``step_threshold_sigma``, refit the last rung at half the step, up to ``step_halvings`` times
         (``IdentificationResult.engine_step``; :mod:`.stepcheck`). Not made when ``refine.sim_dt`` is given or
         without the covariance.
+    jackknife / jackknife_iterations: last, refit the last rung once per window without that window
+        (``jackknife_iterations`` Levenberg-Marquardt iterations each) and add the jackknife variance to the
+        standard deviations of the parameters the data determine (``IdentificationResult.jackknife``;
+        :mod:`.jackknife`). Off by default: it costs one refit per window.
     """
 
     backend: str = "nodal"
@@ -182,6 +187,8 @@ class IdentifyOptions:
     step_check: bool = True
     step_threshold_sigma: float = DEFAULT_STEP_THRESHOLD_SIGMA
     step_halvings: int = DEFAULT_STEP_HALVINGS
+    jackknife: bool = False
+    jackknife_iterations: int = JACKKNIFE_ITERATIONS
 
     @classmethod
     def from_flat(cls, **flat) -> "IdentifyOptions":
@@ -228,6 +235,9 @@ class IdentifyOptions:
                              "in standard deviations)")
         if not (isinstance(self.step_halvings, int) and self.step_halvings >= 0):
             raise ValueError(f"IdentifyOptions.step_halvings = {self.step_halvings!r} (expected an integer >= 0)")
+        if not (isinstance(self.jackknife_iterations, int) and self.jackknife_iterations >= 1):
+            raise ValueError(f"IdentifyOptions.jackknife_iterations = {self.jackknife_iterations!r} (expected an "
+                             "integer >= 1)")
 
 
 @dataclass
@@ -287,6 +297,8 @@ class IdentificationResult:
     #: whether the engine's step was fine enough for the fit, and the steps it was refitted at
     #: (:class:`.stepcheck.StepCheck`); None when not made
     engine_step: Optional[StepCheck] = None
+    #: the delete-one-window jackknife of the last rung (:class:`.jackknife.Jackknife`); None when not asked for
+    jackknife: Optional[Jackknife] = None
 
     def values(self) -> Dict[str, float]:
         """name -> identified value (all parameters)."""
@@ -346,6 +358,7 @@ class IdentificationResult:
                 "held_out": None if self.held_out is None else self.held_out.to_dict(),
                 "string_law": None if self.string_law is None else self.string_law.to_dict(),
                 "engine_step": None if self.engine_step is None else self.engine_step.to_dict(),
+                "jackknife": None if self.jackknife is None else self.jackknife.to_dict(),
                 "prior_dominated": {n: {"std": sd, "prior_std": p} for n, (sd, p) in self.prior_dominated.items()},
                 "stage_values": [{"window_s": ws, "params": v} for ws, v in self.stage_values],
                 "recordings": [dict(r) for r in self.recordings]}
@@ -377,11 +390,13 @@ def structure_prior_std(structure: Structure, prior_std: Mapping[str, float]) ->
     return out
 
 
-def _announce(callback, stage: str, what: str) -> None:
-    """Tell the callback a post-fit step starts ({"stage": stage, "event": "start", "what": what}); its return
-    value is ignored (only stage 2's evaluations can be stopped)."""
+def _announce(callback, stage: str, what: str, iterations: Optional[int] = None) -> None:
+    """Tell the callback a post-fit step starts ({"stage": stage, "event": "start", "what": what}, with
+    "iterations": the Levenberg-Marquardt iterations it will report at most, where known); its return value is
+    ignored (only stage 2's evaluations can be stopped)."""
     if callback is not None:
-        callback({"stage": stage, "event": "start", "what": what})
+        callback({"stage": stage, "event": "start", "what": what,
+                  **({} if iterations is None else {"iterations": int(iterations)})})
 
 
 def _positive(params: Params, prior: Params, notes: List[str]) -> Params:
@@ -533,6 +548,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
     recordings: List[Dict[str, Any]] = []
     law: Optional[LawCheck] = None
     step: Optional[StepCheck] = None
+    jack: Optional[Jackknife] = None
     # the stages' options as run: stage 1's inertia from the backend unless it names one; stage 2's device
     # resolved and the structure file's per-bar mass priors added (see structure_prior_std)
     ropts = opts.regression
@@ -763,6 +779,18 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                         if note:
                             notes.append(note)
                         timings["string_law"] = time.perf_counter() - ts
+                    if opts.jackknife:
+                        ts = time.perf_counter()
+                        _announce(callback, "jackknife", "window jackknife (the last rung refitted without each "
+                                                         "of its windows in turn)",
+                                  iterations=ref.problem.B_win * opts.jackknife_iterations)
+                        jack = window_jackknife(structure, datasets, ref, centre, names=list(std),
+                                                iterations=opts.jackknife_iterations, backend=opts.backend,
+                                                integrator=opts.integrator, callback=callback)
+                        # the parameters kept at the prior keep the prior's sigma: the data do not move them
+                        std, note = jackknife_widen(std, jack, skip=dominated)
+                        notes.append(note or jack.line())
+                        timings["jackknife"] = time.perf_counter() - ts
             elif reg is not None and opts.residual:
                 # residual of the stage-1 result (one forward multiple-shooting evaluation)
                 try:
@@ -794,7 +822,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
                                     stage_values=[(ws, {n: float(v) for n, v in r.params.named().items()})
                                                   for ws, r in stage_fits],
                                     held_out=heldout, prior_dominated=dominated, recordings=recordings,
-                                    string_law=law, engine_step=step)
+                                    string_law=law, engine_step=step, jackknife=jack)
     except (IdentificationError, RuntimeError, np.linalg.LinAlgError, FloatingPointError) as exc:
         if not isinstance(exc, IdentificationError):
             wrapped = DivergenceError(f"{type(exc).__name__}: {exc}")

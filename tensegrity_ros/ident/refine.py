@@ -117,6 +117,8 @@ class RefineOptions:
         absolute values whose standard deviations carry the masses' uncertainty).
     estimate_delay / delay_s: the motor-to-mocap delay (motor angles used at t - delay), s, and its start.
     window_s / stride_s / max_windows: multiple-shooting windows (length, spacing, cap; evenly spread).
+    only_windows: exactly these windows, as ``RefineProblem.window_ids`` names them ((recording, start sample)
+        pairs), instead of the cap's spread (the window jackknife refits a fit's windows less one, :mod:`.jackknife`).
     sim_dt: engine step, s (default: the median sampling period divided into steps no longer than
         max_sim_dt (times sqrt(noise_std_m / 1 mm) below 1 mm of noise: :func:`max_step_for_noise`) and 75 % of
         semi-implicit Euler's stability limit with the strings' damping, see
@@ -170,8 +172,9 @@ class RefineOptions:
         (short gaps) or move the start past the gap (longer ones, by at most half a window), instead of dropping
         the window (docs/identification.md, "Window starts under occlusion"). Off by default: on the generality
         suite at 20 % occlusion or in 0.3-s dropouts it met 57 of 60 targets against 47, and was neutral at 5 %,
-        but on the manipulator bench's seed 2 (whole frames dropped) every fit with it ended in a worse minimum
-        (3.4-6.7 % median error against 0.96-1.21 %; cause not found).
+        but on the manipulator bench (whole frames dropped) it does not help: 1.77 / 1.95 / 2.40 % median error on
+        seeds 0-2 against 0.95 / 1.28 / 0.91 %, the masses further along their valley (stop 41: scored on common
+        windows the fits are no worse in chi^2 as a rule; another draw of windows).
     device / dtype: where the rollouts run (``"cuda"`` when present).
     workers: Levenberg-Marquardt's residuals and Jacobians spread over this many forked processes, a share of
         the windows each (Linux CPU only; same results; see :mod:`.workers`). 1: all in this process.
@@ -189,6 +192,7 @@ class RefineOptions:
     window_s: float = 0.25
     stride_s: Optional[float] = None
     max_windows: Optional[int] = None
+    only_windows: Optional[Tuple[Tuple[int, int], ...]] = None
     sim_dt: Optional[float] = None
     max_sim_dt: float = 2e-3
     optimize_initial_states: bool = True
@@ -569,8 +573,16 @@ class RefineProblem:
                 span.append(grid + H - s)
         if not X0:
             raise NotEnoughDataError("refine: no window with a measured start and >= 50 % valid samples")
-        if opts.max_windows is not None and len(X0) > opts.max_windows:
+        pick = None
+        if opts.only_windows is not None:
+            wanted = {(int(a), int(b)) for a, b in opts.only_windows}
+            pick = [i for i, w in enumerate(wid) if w in wanted]
+            if len(pick) != len(wanted):
+                raise NotEnoughDataError(f"refine: {len(wanted) - len(pick)} of the {len(wanted)} windows asked for "
+                                         "(only_windows) cannot be cut from these recordings")
+        elif opts.max_windows is not None and len(X0) > opts.max_windows:
             pick = np.unique(np.linspace(0, len(X0) - 1, opts.max_windows).round().astype(int))
+        if pick is not None:
             sel = lambda L: [L[i] for i in pick] if L else L  # noqa: E731
             X0, V0, tgt, msk, U, Uts, F, Fc, Arm, wid, rel, span = map(sel, (X0, V0, tgt, msk, U, Uts, F, Fc, Arm,
                                                                              wid, rel, span))
