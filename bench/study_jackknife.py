@@ -9,8 +9,9 @@ three sigma: the reported one without the jackknife (recovered as sqrt(sigma^2 -
 
     python bench/study_jackknife.py [--seeds 3,4,5,6]
 
-Stop 41 (2026-11-29, 2-core machine, seeds one after the other): 82 / 77 / 67 / 75 % inside with the reported
-sigma, 88 / 83 / 80 / 80 % with the jackknife; 131 / 152 / 167 / 107 s for the jackknife, 66-99 s for the rest.
+Stop 41 (2026-11-29, 2-core machine, seeds one after the other), seeds 0-6: 85 / 73 / 78 / 82 / 77 / 67 / 75 %
+inside with the reported sigma, 95 / 85 / 87 / 88 / 83 / 80 / 80 % with the jackknife; 107-167 s for the jackknife,
+66-99 s for the rest.
 Writes build/bench/jackknife.json.
 """
 from __future__ import annotations
