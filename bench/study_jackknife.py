@@ -49,22 +49,25 @@ def coverage(values: Dict[str, float], true: Dict[str, float], std: Dict[str, fl
 
 def run_seed(seed: int) -> dict:
     captured = {}
-    from_flat, identify = B.IdentifyOptions.from_flat, B.identify
-    # the bench's own settings, with the jackknife on; the result captured for its sigma
-    def identify_and_keep(*a, **k):
-        captured["result"] = identify(*a, **k)
-        return captured["result"]
+    from_flat, identify, problem = B.IdentifyOptions.from_flat, B.identify, B.manipulator_problem
+    # the bench's own settings, with the jackknife on; its problem (for the truth) and result (for sigma) kept
+
+    def keep(name, fn):
+        def call(*a, **k):
+            captured[name] = fn(*a, **k)
+            return captured[name]
+        return call
 
     B.IdentifyOptions.from_flat = staticmethod(lambda **k: from_flat(**{**k, "jackknife": True}))
-    B.identify = identify_and_keep
+    B.identify, B.manipulator_problem = keep("result", identify), keep("problem", problem)
     try:
         t0 = time.perf_counter()
         out = B.manipulator_run(quick=False, seed=seed, record=False)
         wall = time.perf_counter() - t0
     finally:
-        B.IdentifyOptions.from_flat, B.identify = from_flat, identify
+        B.IdentifyOptions.from_flat, B.identify, B.manipulator_problem = from_flat, identify, problem
     res = captured["result"]
-    _, _, _, true, _ = B.manipulator_problem(seed=seed)
+    true = captured["problem"][3]
     vals, sd, jk = res.values(), res.std_devs, res.jackknife.std
     names = [n for n in true if n in sd and np.isfinite(sd[n]) and sd[n] > 0]
     kept = set(res.prior_dominated)

@@ -34,6 +34,7 @@ from ..model import Structure
 from .data import Dataset
 from .errors import IdentificationError
 from .refine import RefineResult, refine
+from .uncertainty import add_in_quadrature
 
 __all__ = ["Jackknife", "window_jackknife", "widen", "DEFAULT_ITERATIONS", "MIN_WINDOWS"]
 
@@ -108,19 +109,6 @@ def window_jackknife(structure: Structure, datasets: Sequence[Dataset], fit: Ref
 def widen(std_devs: Dict[str, float], jk: Jackknife, skip: Sequence[str] = ()) -> Tuple[Dict[str, float], str]:
     """sigma^2 + jackknife^2 per parameter (those in ``skip``, e.g. kept at the prior, unchanged). Returns (the
     standard deviations, a note; empty when nothing changed)."""
-    out = dict(std_devs)
-    grown = []
-    for n, sd in std_devs.items():
-        j = jk.std.get(n)
-        if j is None or n in skip or not (math.isfinite(sd) and math.isfinite(j)):
-            continue
-        out[n] = math.sqrt(sd * sd + j * j)
-        if sd > 0 and out[n] > sd * (1 + 1e-9):
-            grown.append((out[n] / sd, n))
-    if not grown:
-        return out, ""
-    grown.sort(reverse=True)
-    factors = sorted(f for f, _ in grown)
+    out, grown = add_in_quadrature(std_devs, {n: j for n, j in jk.std.items() if math.isfinite(j)}, skip)
     return out, (f"standard deviations widened by the window jackknife ({jk.refits} refits, each without one of the "
-                 f"{jk.window_s:g}-s rung's {jk.windows} windows): {len(grown)} parameter(s), median "
-                 f"x{factors[len(factors) // 2]:.2f}, most " + ", ".join(f"{n} x{f:.2f}" for f, n in grown[:3]))
+                 f"{jk.window_s:g}-s rung's {jk.windows} windows): {grown}" if grown else "")

@@ -43,6 +43,7 @@ from .data import Dataset
 from .errors import IdentificationError
 from .heldout import fitted_start_mse, paired_log_ratio, paired_verdict
 from .refine import RefineResult, RefineProblem, refine
+from .uncertainty import add_in_quadrature
 from .workers import window_workers
 
 __all__ = ["LawCheck", "swap_actuated_laws", "check_string_law", "widen"]
@@ -194,12 +195,6 @@ def widen(std_devs: Dict[str, float], check: LawCheck) -> Tuple[Dict[str, float]
     either way (stiffness z RMS 1.10 -> 0.96)."""
     if check.verdict != "no_clear_difference" or not check.spread:
         return dict(std_devs), ""
-    out = {n: math.sqrt(sd * sd + check.spread.get(n, 0.0) ** 2) for n, sd in std_devs.items()}
-    grown = sorted(((out[n] / sd, n) for n, sd in std_devs.items() if sd > 0 and out[n] > sd * (1 + 1e-9)),
-                   reverse=True)
-    if not grown:
-        return out, ""
-    factors = sorted(f for f, _ in grown)
+    out, grown = add_in_quadrature(std_devs, check.spread)
     return out, (f"standard deviations widened by the string-law model spread (the data do not tell the laws "
-                 f"apart): {len(grown)} parameter(s), median x{factors[len(factors) // 2]:.2f}, most "
-                 + ", ".join(f"{n} x{f:.2f}" for f, n in grown[:3]))
+                 f"apart): {grown}" if grown else "")

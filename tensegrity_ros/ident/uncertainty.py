@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -37,7 +37,8 @@ from .refine import DELAY_UNIT_S, RefineProblem
 from .regression import identifiability_reference
 from .workers import window_workers
 
-__all__ = ["Covariance", "jacobian", "gauss_newton_covariance", "physical_jacobian_diag", "CALIBRATIONS"]
+__all__ = ["Covariance", "jacobian", "gauss_newton_covariance", "physical_jacobian_diag", "CALIBRATIONS",
+           "add_in_quadrature"]
 
 #: ``gauss_newton_covariance(calibrate=...)``
 CALIBRATIONS = ("sandwich", "none")
@@ -112,6 +113,26 @@ def physical_jacobian_diag(kinds: Sequence[str], z: torch.Tensor, nominal_rest: 
         if kind == "rest_length":
             ri += 1
     return out
+
+
+def add_in_quadrature(std_devs: Mapping[str, float], extra: Mapping[str, float],
+                      skip: Sequence[str] = ()) -> Tuple[Dict[str, float], str]:
+    """sqrt(sigma^2 + extra^2) for every parameter that ``extra`` names and ``skip`` does not (the others as they
+    were), and what grew: "N parameter(s), median xF, most a xF, ..." (empty when nothing did). How the string-law
+    check's model spread (:func:`.lawcheck.widen`) and the window jackknife (:func:`.jackknife.widen`) widen
+    sigma."""
+    out = dict(std_devs)
+    for n, sd in std_devs.items():
+        e = extra.get(n)
+        if e is not None and n not in skip:
+            out[n] = math.sqrt(sd * sd + e * e)
+    grown = sorted(((out[n] / sd, n) for n, sd in std_devs.items() if sd > 0 and out[n] > sd * (1 + 1e-9)),
+                   reverse=True)
+    if not grown:
+        return out, ""
+    factors = sorted(f for f, _ in grown)
+    return out, (f"{len(grown)} parameter(s), median x{factors[len(factors) // 2]:.2f}, most "
+                 + ", ".join(f"{n} x{f:.2f}" for f, n in grown[:3]))
 
 
 def _format(v: np.ndarray, names: List[str]) -> str:
