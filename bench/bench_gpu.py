@@ -133,12 +133,13 @@ def engine_part(res: Dict[str, Any], save, structures=tuple(STRUCTURES), batches
 
 
 def tangent_part(res: Dict[str, Any], save, device: str = "cuda", windows: Sequence[int] = (1, 8, 64),
-                 steps: int = 50) -> None:
-    """The identification's inner loop on ``device``: one manipulator tangent step (``engine/tangent.py``, every
-    parameter and start-state direction, float64, as stage 2 runs it) with 1, 8 and 64 windows in the batch: wall
-    time per step, the number of aten operations per step, and how many of them are not views (on CUDA, about
-    one kernel launch each). If the time per step stays flat from 1 to 64 windows, the step is bound by launches
-    and Python, not by arithmetic."""
+                 steps: int = 48, rows: Sequence[Optional[int]] = (1, None, 4096)) -> None:
+    """The identification's inner loop on ``device``: manipulator tangent steps (``engine/tangent.py``, every
+    parameter and start-state direction, float64, as stage 2 runs it) with 1, 8 and 64 windows in the batch and the
+    steps' linearisations batched ``rows`` (window, step) rows at a time (1: one step at a time, as before stop 42;
+    None: :data:`~tensegrity_ros.engine.tangent.LINEARISE_ROWS`): wall time per step, and the aten operations per
+    step over the whole rollout, and how many of them are not views (on CUDA, about one kernel launch each). If the
+    time per step stays flat from 1 to 64 windows, the step is bound by launches and Python, not by arithmetic."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from tensegrity_ros.engine import from_unconstrained, tangent, to_unconstrained
@@ -165,33 +166,37 @@ def tangent_part(res: Dict[str, Any], save, device: str = "cuda", windows: Seque
     nf, A = Q0.shape[-1], eng.topology.n_actuators
     C = z0.numel() + 6 * nf
     sync = device_sync(Q0)
-    rows = res.setdefault("tangent_step", {"structure": "stacked_manipulator", "directions": C, "rows": []})["rows"]
+    out = res.setdefault("tangent_step", {"structure": "stacked_manipulator", "directions": C, "rows": []})["rows"]
     for W in windows:
         S0 = torch.zeros(W, C, 3, nf, dtype=torch.float64, device=Q0.device)
+        for R in rows:
+            R = tangent.LINEARISE_ROWS if R is None else int(R)
 
-        def run(n):
-            u = torch.zeros(n, W, A, dtype=torch.float64, device=Q0.device)
-            out = tangent.rollout_tangents(c, der, dth, Q0.expand(W, -1, -1), V0.expand(W, -1, -1), S0, S0, u,
-                                           torch.zeros_like(u), None, None, 7e-4, n, eng.options,
-                                           torch.full((W, 1), float(n), dtype=torch.float64, device=Q0.device))
-            sync()
-            return out
+            def run(n):
+                u = torch.zeros(n, W, A, dtype=torch.float64, device=Q0.device)
+                o = tangent.rollout_tangents(c, der, dth, Q0.expand(W, -1, -1), V0.expand(W, -1, -1), S0, S0, u,
+                                             torch.zeros_like(u), None, None, 7e-4, n, eng.options,
+                                             torch.full((W, 1), float(n), dtype=torch.float64, device=Q0.device),
+                                             rows=R)
+                sync()
+                return o
 
-        counts = []
-        for n in (2, 4):                  # the difference leaves out the once-per-rollout work
-            with _Count() as counter:
-                run(n)
-            counts.append((counter.ops, counter.compute))
-        run(steps)                                                        # warm-up
-        t0 = time.perf_counter()
-        run(steps)
-        ms = (time.perf_counter() - t0) / steps * 1e3
-        rows.append({"windows": W, "ms_per_step": ms, "aten_ops_per_step": (counts[1][0] - counts[0][0]) / 2,
-                     "compute_ops_per_step": (counts[1][1] - counts[0][1]) / 2})
-        _log(f"{device:5s} tangent step, {W:3d} windows x {C} directions: {ms:7.2f} ms per step, "
-             f"{rows[-1]['aten_ops_per_step']:.0f} aten operations per step, "
-             f"{rows[-1]['compute_ops_per_step']:.0f} of them not views")
-        save()
+            counts = []
+            for n in (steps, 2 * steps):      # the difference leaves out the once-per-rollout work
+                with _Count() as counter:
+                    run(n)
+                counts.append((counter.ops, counter.compute))
+            run(steps)                                                    # warm-up
+            t0 = time.perf_counter()
+            run(steps)
+            ms = (time.perf_counter() - t0) / steps * 1e3
+            out.append({"windows": W, "rows": R, "steps_linearised_together": max(1, R // W), "ms_per_step": ms,
+                        "aten_ops_per_step": (counts[1][0] - counts[0][0]) / steps,
+                        "compute_ops_per_step": (counts[1][1] - counts[0][1]) / steps})
+            _log(f"{device:5s} tangent step, {W:3d} windows x {C} directions, {max(1, R // W):4d} steps linearised "
+                 f"together: {ms:7.2f} ms per step, {out[-1]['aten_ops_per_step']:.0f} aten operations per step, "
+                 f"{out[-1]['compute_ops_per_step']:.0f} of them not views")
+            save()
 
 
 def plot(res: Dict[str, Any], path: Path = IMG / "gpu_engine.png") -> Path:

@@ -125,6 +125,26 @@ def _lookup(tree, dotted: str):
     return tree
 
 
+def machine() -> dict:
+    """What the figures were measured on: the CPU, its cores, the load when the run started (what else was running
+    shows there), torch and the BLAS behind the tangent model's products (tensegrity_ros/engine/blas.py)."""
+    import os
+    import platform
+
+    import torch
+
+    from tensegrity_ros.engine import blas
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cpu": model or platform.processor(), "vendor": blas.cpu_vendor(), "cores": os.cpu_count(),
+            "load_1_5_15": list(os.getloadavg()), "torch": torch.__version__, "tangent_blas": blas.choice(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short runs (minutes; the full run is long: its "
@@ -136,6 +156,8 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown bench {unknown} (valid: {', '.join(BENCHES)})")
     OUT.mkdir(parents=True, exist_ok=True)
+    here = machine()
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in here.items()), flush=True)
     results, failures = {}, {}
     for name in wanted:
         module, full, quick = BENCHES[name]
@@ -165,7 +187,7 @@ def main(argv=None) -> int:
         print(f"{label:<52}{shown:>14}  {target:>8}  {met}")
     for name, why in failures.items():
         print(f"{name:<52}{'FAILED':>14}  {why}")
-    (OUT / "summary.json").write_text(json.dumps({"quick": args.quick, "results": results, "failures": failures,
+    (OUT / "summary.json").write_text(json.dumps({"quick": args.quick, "machine": here, "results": results, "failures": failures,
                                                   "missed": missed}, indent=2, default=str))
     print(f"\nfigures: {OUT}/*.json")
     if failures:

@@ -33,3 +33,6 @@ def test_exit_status_and_last_line(run_all, monkeypatch, capsys, tmp_path, value
     assert lines[-1].startswith(f"bench: {last}"), lines[-1]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["missed"] == ([] if code != 3 else ["fake figure 5 (target < 2)"])
+    # what the figures were measured on, printed first and kept with them
+    assert lines[0].startswith("machine: cpu ") and summary["machine"]["cores"] >= 1
+    assert summary["machine"]["tangent_blas"] in ("torch", "numpy") and len(summary["machine"]["load_1_5_15"]) == 3

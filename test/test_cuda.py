@@ -122,13 +122,16 @@ def test_gpu_bench_engine_part_dry_run_on_cpu(monkeypatch, tmp_path):
 
 
 def test_gpu_bench_tangent_part_dry_run_on_cpu(monkeypatch, tmp_path):
-    """The tangent-step measurement on the CPU, small: one row per window count, the same operation count whatever
-    the batch (the step's launches do not grow with the windows), and a positive time."""
+    """The tangent-step measurement on the CPU, small: one row per window count and linearisation batch; stepped one
+    at a time, the same operation count whatever the batch (the step's launches do not grow with the windows);
+    with the steps linearised together, far fewer operations per step; a positive time."""
     monkeypatch.syspath_prepend(str(CONFIG_DIR.parent / "bench"))
     import bench_gpu
     res = {}
-    bench_gpu.tangent_part(res, lambda: None, device="cpu", windows=(1, 2), steps=3)
+    bench_gpu.tangent_part(res, lambda: None, device="cpu", windows=(1, 2), steps=3, rows=(1, 4096))
     rows = res["tangent_step"]["rows"]
-    assert [r["windows"] for r in rows] == [1, 2]
-    assert rows[0]["aten_ops_per_step"] == rows[1]["aten_ops_per_step"] > rows[0]["compute_ops_per_step"] > 100
+    assert [(r["windows"], r["rows"]) for r in rows] == [(1, 1), (1, 4096), (2, 1), (2, 4096)]
+    one, batched = rows[0::2], rows[1::2]
+    assert one[0]["aten_ops_per_step"] == one[1]["aten_ops_per_step"] > one[0]["compute_ops_per_step"] > 100
+    assert all(b["aten_ops_per_step"] < 0.5 * o["aten_ops_per_step"] for b, o in zip(batched, one))
     assert all(r["ms_per_step"] > 0 for r in rows)

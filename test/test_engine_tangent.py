@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tensegrity_ros.engine import from_unconstrained, make_engine, params_from_structure, to_unconstrained
-from tensegrity_ros.engine import tangent
+from tensegrity_ros.engine import blas, tangent
 from tensegrity_ros.engine.nodal import prepare, reduce, step_reduced
 from tensegrity_ros.ident import RefineOptions, add_marker_noise
 from tensegrity_ros.ident.synthetic import actuated_pendulum, pendulum_drive, random_initial_state, simulate_dataset
@@ -22,11 +22,15 @@ MANIPULATOR = load_structure(ROOT / "config" / "models" / "stacked_manipulator.y
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.mark.parametrize("projection_iters", [0, 2])
-def test_rollout_tangents_are_the_engines_jacobian(projection_iters):
+@pytest.mark.parametrize("projection_iters, rows, matmuls", [(0, None, "torch"), (2, None, "torch"),
+                                                              (2, 1, "torch"), (2, 4, "numpy")])
+def test_rollout_tangents_are_the_engines_jacobian(projection_iters, rows, matmuls, monkeypatch):
     """Every direction at once: all 108 start-state coordinates and all 72 unconstrained parameters of the
     manipulator (stiffness, damping, rest length, mass, spool radius, zero offset), over 6 steps with the
-    motors moving, equal to jacfwd through the engine's own step (the projection's chord terms included)."""
+    motors moving, equal to jacfwd through the engine's own step (the projection's chord terms included).
+    rows: the steps linearised together (None: the default, all 6 steps in one pass; 1: one by one; 4: a
+    chunk of 4, then one of 2); matmuls: the BLAS behind the products (engine/blas.py)."""
+    monkeypatch.setattr(blas, "choice", lambda: matmuls)
     eng = make_engine(MANIPULATOR, projection_iters=projection_iters)
     c = eng.constants
     p = eng.default_params()
@@ -54,7 +58,8 @@ def test_rollout_tangents_are_the_engines_jacobian(projection_iters):
     S0 = torch.cat([torch.zeros(P, 108, dtype=torch.float64), eye])       # parameter directions first
     Qs, S = tangent.rollout_tangents(c, prepare(c, p), dth, Q0, V0, S0[:, :54].reshape(1, -1, 3, 18),
                                      S0[:, 54:].reshape(1, -1, 3, 18), u, ud, None, None, h, n_steps, eng.options,
-                                     torch.tensor([[float(n_steps)]], dtype=torch.float64))
+                                     torch.tensor([[float(n_steps)]], dtype=torch.float64),
+                                     **({} if rows is None else {"rows": rows}))
     torch.testing.assert_close(Qs[0, 0].reshape(-1), positions(x0, z0), rtol=0, atol=1e-14)
     T = S[0, 0].reshape(P + 108, 54).T
     torch.testing.assert_close(T[:, P:], Jx, rtol=1e-9, atol=1e-11)
@@ -169,3 +174,31 @@ def test_auto_jacobian_falls_back_where_there_is_no_tangent_model():
     assert not tangent.supports(make_engine(spring_rod, backend="spring_rod"))
     with pytest.raises(ValueError, match="jacobian = 'exact'.*valid: auto, tangent, central"):
         RefineOptions(jacobian="exact")
+
+
+def test_blas_choice_is_validated_and_numpys_products_keep_derivatives(monkeypatch):
+    """engine/blas.py: an unknown TENSEGRITY_BLAS lists the valid values; ``auto`` takes numpy's BLAS only where
+    torch's is MKL on an AMD CPU; numpy's products equal torch's to round-off, and a product that carries a
+    derivative (forward-mode dual, torch.func, autograd) is left to torch, derivative kept."""
+    with pytest.raises(ValueError, match="auto, torch, numpy"):
+        blas.resolve("mkl")
+    monkeypatch.setattr(blas, "cpu_vendor", lambda: "AuthenticAMD")
+    assert blas.resolve("auto") == ("numpy" if torch.backends.mkl.is_available() else "torch")
+    monkeypatch.setattr(blas, "cpu_vendor", lambda: "GenuineIntel")
+    assert blas.resolve("auto") == "torch" and blas.resolve("numpy") == "numpy"
+    monkeypatch.setattr(blas, "choice", lambda: "numpy")
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(5, 108, 54, generator=gen, dtype=torch.float64)[:, :, :50]      # a strided view, as in _step
+    b = torch.randn(5, 50, 54, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(blas.matmul(a, b), a @ b, rtol=1e-13, atol=1e-12)
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        t = torch.randn_like(a)
+        out = fwAD.unpack_dual(blas.matmul(fwAD.make_dual(a, t), b))
+        torch.testing.assert_close(out.tangent, t @ b)
+    J = torch.func.jacfwd(lambda x: blas.matmul(x, b[0]))(a[0, :3])
+    assert J.shape == (3, 54, 3, 50) and float(J[1, 7, 1].sub(b[0, :, 7]).abs().max()) == 0.0
+    x = a.clone().requires_grad_()
+    blas.matmul(x, b).sum().backward()
+    torch.testing.assert_close(x.grad, b.sum(-1).unsqueeze(-2).expand_as(x))
+
