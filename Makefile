@@ -230,7 +230,7 @@ $(TF2_STAMP): $(TF2_FORCE) | $(DEPS_STAMP) $(MSGS_STAMP)
 # threads or child processes outlive it, and dumps the stacks if the interpreter does not exit within 60 s.
 TEST_TIMEOUT_S ?= 600
 test: setup
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT_S) --timeout-method=thread test
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT_S) --timeout-method=thread --durations=15 test
 
 DEMO_ARGS ?=
 demo: setup

@@ -14,11 +14,8 @@ or device, or a tensor that carries gradients.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import glob
 import os
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -57,27 +54,20 @@ def choice() -> str:
     return resolve()
 
 
-@functools.lru_cache(maxsize=None)
-def _openblas_threads_setter():
-    """numpy's OpenBLAS ``set_num_threads`` (None when numpy's BLAS is not a recognisable OpenBLAS)."""
-    libs = Path(np.__file__).resolve().parent.parent / "numpy.libs"
-    for path in sorted(glob.glob(str(libs / "libscipy_openblas*.so*"))) + sorted(glob.glob(str(libs / "libopenblas*.so*"))):
-        lib = ctypes.CDLL(path)
-        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.argtypes = [ctypes.c_int]
-                return fn
-    return None
+_matched = None                  # (process, threads) that numpy's OpenBLAS was last given
 
 
 def match_threads() -> None:
     """Give numpy's OpenBLAS as many threads as torch has (identification runs one per worker process: the
-    workers would otherwise each start a thread per core and fight over the cores)."""
-    if choice() == "numpy":
-        fn = _openblas_threads_setter()
-        if fn is not None:
-            fn(int(torch.get_num_threads()))
+    workers would otherwise each start a thread per core and fight over the cores). Once per process and count."""
+    global _matched
+    if choice() != "numpy":
+        return
+    key = (os.getpid(), int(torch.get_num_threads()))
+    if key != _matched:
+        from ..workers import limit_blas_threads
+        limit_blas_threads(key[1])
+        _matched = key
 
 
 def _plain(t: torch.Tensor) -> bool:
