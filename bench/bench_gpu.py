@@ -133,11 +133,11 @@ def engine_part(res: Dict[str, Any], save, structures=tuple(STRUCTURES), batches
 
 
 def tangent_part(res: Dict[str, Any], save, device: str = "cuda", windows: Sequence[int] = (1, 8, 64),
-                 steps: int = 48, rows: Sequence[Optional[int]] = (1, None, 4096)) -> None:
+                 steps: int = 48, rows: Sequence[Optional[int]] = (1, 16, 4096)) -> None:
     """The identification's inner loop on ``device``: manipulator tangent steps (``engine/tangent.py``, every
     parameter and start-state direction, float64, as stage 2 runs it) with 1, 8 and 64 windows in the batch and the
     steps' linearisations batched ``rows`` (window, step) rows at a time (1: one step at a time, as before stop 42;
-    None: :data:`~tensegrity_ros.engine.tangent.LINEARISE_ROWS`): wall time per step, and the aten operations per
+    16 the CPU's default, 4096 CUDA's; None: the device's default): wall time per step, and the aten operations per
     step over the whole rollout, and how many of them are not views (on CUDA, about one kernel launch each). If the
     time per step stays flat from 1 to 64 windows, the step is bound by launches and Python, not by arithmetic."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -170,7 +170,7 @@ def tangent_part(res: Dict[str, Any], save, device: str = "cuda", windows: Seque
     for W in windows:
         S0 = torch.zeros(W, C, 3, nf, dtype=torch.float64, device=Q0.device)
         for R in rows:
-            R = tangent.LINEARISE_ROWS if R is None else int(R)
+            R = tangent.linearise_rows(Q0.device) if R is None else int(R)
 
             def run(n):
                 u = torch.zeros(n, W, A, dtype=torch.float64, device=Q0.device)

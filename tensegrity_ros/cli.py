@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -48,6 +49,18 @@ def _parser_for(name: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _environment_error() -> Optional[str]:
+    """Settings read from the environment, checked at the edge like the flags: what is wrong and how to fix it, or
+    None. Only imports what a set variable needs (``tensegrity validate`` still does not pay for torch)."""
+    if os.environ.get("TENSEGRITY_BLAS") is not None:
+        from .engine import blas
+        try:
+            blas.resolve()
+        except ValueError as err:
+            return f"{err} (the BLAS behind the tangent model's products; unset it for auto)"
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -60,6 +73,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"tensegrity: unknown subcommand {name!r} (valid: {', '.join(SUBCOMMANDS)})", file=sys.stderr)
         return 2
     args = _parser_for(name).parse_args(rest)
+    bad_env = _environment_error()
+    if bad_env:
+        print(f"tensegrity {name}: error: {bad_env}", file=sys.stderr)
+        return 2
     module = importlib.import_module(f"tensegrity_ros.commands.{SUBCOMMANDS[name][0]}")
     try:
         return int(module.run(args) or 0)

@@ -47,6 +47,7 @@ class Case:
     outputs: Sequence[str] = ()                  # top-level names a successful run may create or replace
     check: Optional[Callable[[Path], None]] = None
     as_user: bool = False                        # needs file permissions to apply (skipped as root)
+    env: Dict[str, str] = field(default_factory=dict)       # environment variables set for the run
 
 
 def _replaced_out(tmp: Path) -> None:
@@ -98,6 +99,9 @@ CASES = [
          forbid=READ_BAG),
     Case("identify-window-nan", IDENTIFY + ["--window", "nan"], "--window nan: expected a finite number > 0",
          forbid=READ_BAG),
+    # ---- settings from the environment ------------------------------------------------------------------------
+    Case("identify-blas-unknown", IDENTIFY, "TENSEGRITY_BLAS='mkl': valid values are auto, torch, numpy",
+         forbid=READ_BAG, env={"TENSEGRITY_BLAS": "mkl"}),
     # ---- several bags (issue 17 item 7): each there and given once, before any is read -------------------------
     Case("identify-second-bag-missing", ["identify", "recording", "nope", "--model", MODEL, "--out", "p.yaml"],
          "nope: no such bag (bag 2 of 2", USER_BAG, forbid=READ_BAG),
@@ -155,6 +159,8 @@ def test_cli_input(case: Case, tmp_path, monkeypatch, capsys):
     if case.as_user and os.geteuid() == 0:
         pytest.skip("root writes through file permissions")
     monkeypatch.chdir(tmp_path)
+    for key, value in case.env.items():
+        monkeypatch.setenv(key, value)
     for name, data in case.files.items():
         p = tmp_path / name
         if name.endswith("/"):

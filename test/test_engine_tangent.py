@@ -176,6 +176,12 @@ def test_auto_jacobian_falls_back_where_there_is_no_tangent_model():
         RefineOptions(jacobian="exact")
 
 
+def test_linearisation_rows_default_per_device():
+    """Few rows on the CPU (larger batches are no faster there and leave the caches), many on CUDA (launch-bound)."""
+    assert tangent.linearise_rows(torch.device("cpu")) == tangent.LINEARISE_ROWS == 16
+    assert tangent.linearise_rows("cuda:0") == tangent.LINEARISE_ROWS_CUDA > 100 * tangent.LINEARISE_ROWS
+
+
 def test_blas_choice_is_validated_and_numpys_products_keep_derivatives(monkeypatch):
     """engine/blas.py: an unknown TENSEGRITY_BLAS lists the valid values; ``auto`` takes numpy's BLAS only where
     torch's is MKL on an AMD CPU; numpy's products equal torch's to round-off, and a product that carries a

@@ -332,6 +332,16 @@ def project_with_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTa
 #: speed"): a Jacobian of 4 one-second windows 4.55 s instead of 7.48 s (median of 3); 64 rows and more ran no
 #: faster than 16 (the batched products are compute-bound at these sizes and leave the caches).
 LINEARISE_ROWS = 16
+#: the same on a CUDA device, where each of a pass's operations is a kernel launch whatever its size, so the
+#: fewer passes the better while the rows fit the device (4096 rows of the manipulator's step: ~2 GB in float64).
+#: Not measured yet: no GPU has been lent since the change; ``bench/bench_gpu.py``'s tangent part compares 1, 16
+#: and 4096 rows on the next.
+LINEARISE_ROWS_CUDA = 4096
+
+
+def linearise_rows(device: torch.device) -> int:
+    """:func:`rollout_tangents`' default ``rows`` on ``device``."""
+    return LINEARISE_ROWS_CUDA if torch.device(device).type == "cuda" else LINEARISE_ROWS
 
 
 def rollout_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], Q0, V0, SQ0, SV0,
@@ -347,7 +357,7 @@ def rollout_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangent
     (linear interpolation between the states after steps k and k + 1, as ``RefineProblem.simulate``).
     dtype: of the tangents (default: the state's). float32 halves the cost of the matrix products; the
     primal stays in the state's dtype, so the positions are the engine's to round-off either way.
-    rows: how many (step, window) rows are linearised together (None: :data:`LINEARISE_ROWS`).
+    rows: how many (step, window) rows are linearised together (None: :func:`linearise_rows` of the device).
     Returns positions Q (B, H, 3, nf) and tangents (B, H, C, 3, nf) at the samples.
 
     In chunks of ``rows // B`` steps: the engine's own step takes the primal through the chunk (step by step,
@@ -396,7 +406,7 @@ def rollout_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangent
     S = torch.cat([SQ0.reshape(B, C, n), SV0.reshape(B, C, n)], -1).to(tdt)   # (B, C, 2n)
     record_Q(0, Q)
     record_S(0, S[..., :n])
-    chunk = max(1, int(LINEARISE_ROWS if rows is None else rows) // max(B, 1))
+    chunk = max(1, int(linearise_rows(Q0.device) if rows is None else rows) // max(B, 1))
     for a in range(0, n_steps, chunk):
         b = min(a + chunk, n_steps)
         starts_Q, starts_V = [], []
