@@ -134,13 +134,7 @@ def machine() -> dict:
     import torch
 
     from tensegrity_ros.engine import blas
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    return {"cpu": model or platform.processor(), "vendor": blas.cpu_vendor(), "cores": os.cpu_count(),
+    return {"cpu": blas.cpu_field("model name") or platform.processor(), "vendor": blas.cpu_vendor(), "cores": os.cpu_count(),
             "load_1_5_15": list(os.getloadavg()), "torch": torch.__version__, "tangent_blas": blas.choice(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
@@ -187,8 +181,8 @@ def main(argv=None) -> int:
         print(f"{label:<52}{shown:>14}  {target:>8}  {met}")
     for name, why in failures.items():
         print(f"{name:<52}{'FAILED':>14}  {why}")
-    (OUT / "summary.json").write_text(json.dumps({"quick": args.quick, "machine": here, "results": results, "failures": failures,
-                                                  "missed": missed}, indent=2, default=str))
+    (OUT / "summary.json").write_text(json.dumps({"quick": args.quick, "machine": here, "results": results,
+                                                  "failures": failures, "missed": missed}, indent=2, default=str))
     print(f"\nfigures: {OUT}/*.json")
     if failures:
         print(f"bench: FAILED to run: {', '.join(failures)} (exit 1)")

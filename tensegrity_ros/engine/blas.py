@@ -26,16 +26,21 @@ CHOICES = ("auto", "torch", "numpy")
 ENV = "TENSEGRITY_BLAS"
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor string from /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``, ...), or '' if unknown."""
+def cpu_field(key: str) -> str:
+    """The first ``key`` line of /proc/cpuinfo (``vendor_id``, ``model name``, ...), or '' where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.startswith(key):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...), or '' if unknown."""
+    return cpu_field("vendor_id")
 
 
 def resolve(value: Optional[str] = None) -> str:
