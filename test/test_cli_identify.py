@@ -69,6 +69,9 @@ def test_identify_writes_a_valid_structure_file_and_a_report(recorded, tmp_path,
     assert summary["held_out"]["fit_rms_m"] > 0 and summary["held_out"]["prior_rms_m"] > 0
     assert "model check" in printed.lower() or "MODEL MISMATCH" in printed
     assert "held-out check" in printed.lower()
+    timed = [ln for ln in printed.splitlines() if ln.startswith("time: ")]       # where the wall time went
+    assert len(timed) == 1 and "x real time): " in timed[0] and "stage 2 " in timed[0], timed
+    assert "the rest (reading, labelling, report)" in timed[0]
     text = (report / "parameters.txt").read_text().lower()
     assert "model check" in text or "model mismatch" in text
     identified = load_structure(out)                                 # a valid structure file

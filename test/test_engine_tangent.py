@@ -11,6 +11,7 @@ import torch
 
 from tensegrity_ros.engine import from_unconstrained, make_engine, params_from_structure, to_unconstrained
 from tensegrity_ros.engine import blas, tangent
+from tensegrity_ros.engine import nodal
 from tensegrity_ros.engine.nodal import prepare, reduce, step_reduced
 from tensegrity_ros.ident import RefineOptions, add_marker_noise
 from tensegrity_ros.ident.synthetic import actuated_pendulum, pendulum_drive, random_initial_state, simulate_dataset
@@ -98,6 +99,42 @@ def test_stage2_tangent_jacobian_equals_dual_numbers():
         rel = (J1 - J2).norm(dim=(0, 1)) / J2.norm(dim=(0, 1)).clamp_min(1e-30)
         assert float(rel.max()) < 1e-8, rel
     assert float(Jw2[..., -1].abs().max()) > 1e-4                           # the delay column is live
+
+
+def test_jacobian_reuses_the_residual_rollouts_states_with_the_same_blocks(monkeypatch):
+    """Levenberg-Marquardt evaluates the residuals at a point, then takes the Jacobian there: the tangent model
+    takes that rollout's states instead of stepping the primal again (RefineProblem.residuals keeps the last
+    PRIMAL_KEPT), with the same blocks to the bit. A point it did not keep, or another problem copy (other
+    parameters around the same w), steps the primal itself."""
+    prob, w, x0 = _noisy_pendulum_problem(window_s=0.1)
+    fresh = prob.jacobian_blocks(w, x0, "tangent")                       # nothing kept yet: stepped itself
+    calls = []
+    orig = nodal.step_reduced
+
+    def counted(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+    monkeypatch.setattr(nodal, "step_reduced", counted)
+    with torch.no_grad():
+        for k in range(RF.PRIMAL_KEPT + 1):                              # the point of interest, then others
+            prob.residuals(w if k == 0 else w + 0.01 * k, x0)
+    calls.clear()
+    prob.jacobian_blocks(w + 0.01, x0, "tangent")
+    assert not calls                                                     # kept: the primal was not stepped
+    last = w + 0.01 * RF.PRIMAL_KEPT
+    kept = prob.jacobian_blocks(last, x0, "tangent")
+    assert not calls
+    other = prob.jacobian_blocks(w, x0, "tangent")                       # pushed out of the kept ones
+    assert calls
+    for a, b in zip(other, fresh):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(RF, "PRIMAL_KEPT", 0)
+    for a, b in zip(kept, prob.jacobian_blocks(last, x0, "tangent")):
+        assert torch.equal(a, b)                                         # the same blocks to the bit
+    copy = prob.with_params(RF.from_unconstrained(prob.z_start * 1.01, prob.template), 0.01)
+    calls.clear()
+    copy.jacobian_blocks(w + 0.01, x0, "tangent")
+    assert calls                                                         # another problem: its own primal
 
 
 def test_float32_tangents_and_starts_only_blocks():

@@ -113,15 +113,23 @@ def test_window_workers_match_in_process_blocks_and_survive_a_killed_worker(pend
                             generator=torch.Generator().manual_seed(0))
     r1, Jw1, Je1 = prob.jacobian_blocks(w, x0)
     res1 = prob.residuals(w, x0)
-    with window_workers(prob, 3) as workers:
+    with window_workers(prob, 2) as workers:
         assert workers is not None and prob.subset([0, 1])._workers is None
         r2, Jw2, Je2 = prob.jacobian_blocks(w, x0)
         for a, b in ((r1, r2), (Jw1, Jw2), (Je1, Je2), (res1, prob.residuals(w, x0))):
             assert a.shape == b.shape and a.dtype == b.dtype
             torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)
+        # each share goes to the same process every call, which keeps the residual rollout's states for the
+        # Jacobian at the same point (RefineProblem.residuals): the same blocks from them
+        assert len({len(share) for share in workers.shares}) == 1          # np.concatenate: shares of one size
+        assert workers.map("_kept_primal", w, x0) is not None
+        assert workers.map("_kept_primal", w + 0.1, x0) is None
+        for a, b in zip((r1, Jw1, Je1), prob.jacobian_blocks(w, x0)):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)
         # the workers killed (as by the out-of-memory killer): the call finishes in this process, and says so
-        for pid in list(workers._pool._processes):
-            os.kill(pid, signal.SIGKILL)
+        for pool in workers._pools:
+            for pid in list(pool._processes):
+                os.kill(pid, signal.SIGKILL)
         r3, _, _ = prob.jacobian_blocks(w, x0)
         torch.testing.assert_close(r3, r1, rtol=1e-12, atol=1e-15)
         assert workers.failure and "one process" in workers.failure and prob._workers is None

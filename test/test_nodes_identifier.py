@@ -199,6 +199,13 @@ def test_identifier_node_publishes_good_sets_and_refuses_poisoned_windows(rclpy_
         sd = good.std_dict()
         assert all(math.isfinite(sd[n]) for n in tv)
 
+        # 1b. no node state since that update (the robot stopped): the tick is skipped, not the same window refitted
+        updates, decision = node.stats["updates"], node.last_decision
+        node._on_timer()
+        assert node.wait_idle(60)
+        assert node.stats["skipped_no_new_data"] == 1
+        assert node.stats["updates"] == updates and node.last_decision is decision
+
         # 2. poisoned windows: refused, nothing published, the good set stays active, diagnostics say why
         T, N = ds.positions.shape[:2]
         U_nan = ds.motor_angles.copy()

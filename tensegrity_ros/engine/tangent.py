@@ -29,7 +29,7 @@ Only the ``semi_implicit`` integrator without Baumgarte terms is covered (what i
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -346,7 +346,8 @@ def linearise_rows(device: torch.device) -> int:
 
 def rollout_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangents], Q0, V0, SQ0, SV0,
                      u, ud, du, fq, dt: float, n_steps: int, opts: Options, sample_steps: torch.Tensor,
-                     dtype: Optional[torch.dtype] = None, dud=None, rows: Optional[int] = None):
+                     dtype: Optional[torch.dtype] = None, dud=None, rows: Optional[int] = None,
+                     primal: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
     """``n_steps`` semi-implicit steps of B windows with C tangent directions, sampled at fractional steps.
 
     Q0, V0: (B, 3, nf) reduced start state; SQ0, SV0: (B, C, 3, nf) its tangents; the first P directions
@@ -358,6 +359,9 @@ def rollout_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangent
     dtype: of the tangents (default: the state's). float32 halves the cost of the matrix products; the
     primal stays in the state's dtype, so the positions are the engine's to round-off either way.
     rows: how many (step, window) rows are linearised together (None: :func:`linearise_rows` of the device).
+    primal: the states (Qs, Vs) (n_steps + 1, B, 3, nf) of this very rollout, start first, when the caller has
+    them (the residual rollout at the same point: ``RefineProblem`` keeps its last few); the primal is then not
+    stepped again. The engine's step is deterministic, so the tangents are the same.
     Returns positions Q (B, H, 3, nf) and tangents (B, H, C, 3, nf) at the samples.
 
     In chunks of ``rows // B`` steps: the engine's own step takes the primal through the chunk (step by step,
@@ -402,7 +406,10 @@ def rollout_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangent
         return None if x is None else x[a:b].reshape((b - a) * B, *x.shape[2:])
 
     mt = _mass_tangents(ct, dert, dth) if P else None
-    Q, V = Q0, V0
+    if primal is not None and tuple(primal[0].shape) != (n_steps + 1, *Q0.shape):
+        raise ValueError(f"rollout_tangents: primal states {tuple(primal[0].shape)}, expected "
+                         f"{(n_steps + 1, *Q0.shape)} (n_steps + 1 states of the B windows)")
+    Q, V = (Q0, V0) if primal is None else (primal[0][0], primal[1][0])
     S = torch.cat([SQ0.reshape(B, C, n), SV0.reshape(B, C, n)], -1).to(tdt)   # (B, C, 2n)
     record_Q(0, Q)
     record_S(0, S[..., :n])
@@ -411,6 +418,11 @@ def rollout_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangent
         b = min(a + chunk, n_steps)
         starts_Q, starts_V = [], []
         for k in range(a, b):                                            # the primal, step by step
+            if primal is not None:
+                starts_Q.append(primal[0][k])
+                starts_V.append(primal[1][k])
+                record_Q(k + 1, primal[0][k + 1])
+                continue
             starts_Q.append(Q)
             starts_V.append(V)
             Q, V = step_reduced(c, der, Q, V, None if u is None else u[k], None if ud is None else ud[k],

@@ -280,6 +280,9 @@ class SlidingWindow:
         self._motors: Deque[Tuple[float, np.ndarray]] = deque()
         self._maps: Dict[Tuple[str, ...], Tuple[np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
+        #: node-state samples ever appended (never decreases): a reader that saw this count knows whether the
+        #: window has changed since, even when old samples were dropped or the window cleared and refilled
+        self.appended = 0
 
     def _map(self, names: Tuple[str, ...]) -> Tuple[np.ndarray, np.ndarray]:
         m = self._maps.get(names)
@@ -299,6 +302,7 @@ class SlidingWindow:
             if self._nodes and t <= self._nodes[-1][0]:
                 return      # duplicate / out of order
             self._nodes.append((float(t), P, V))
+            self.appended += 1
             while self._nodes and t - self._nodes[0][0] > self.window_s:
                 self._nodes.popleft()
 

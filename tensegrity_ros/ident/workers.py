@@ -29,13 +29,16 @@ import torch
 
 #: the problem a forked worker inherited (set in the child by :func:`_adopt`)
 _PROBLEM: Any = None
+#: the worker's share of the windows, as one problem (made on the first call): the same object every call, so that
+#: what it keeps between calls (the residual rollout's states that the next Jacobian reuses) stays with it
+_SHARE: Any = None
 
 
 def _adopt(problem) -> None:
-    global _PROBLEM
+    global _PROBLEM, _SHARE
     torch.set_num_threads(1)
     problem._workers = None                 # the child's copy evaluates in its own process
-    _PROBLEM = problem
+    _PROBLEM, _SHARE = problem, None
 
 
 def _to_numpy(x):
@@ -47,7 +50,10 @@ def _to_numpy(x):
 
 
 def _evaluate(method: str, idx: List[int], args: tuple):
-    return _to_numpy(getattr(_PROBLEM.subset(idx), method)(*args))
+    global _SHARE
+    if _SHARE is None or _SHARE.window_ids != [_PROBLEM.window_ids[i] for i in idx]:
+        _SHARE = _PROBLEM.subset(idx)
+    return _to_numpy(getattr(_SHARE, method)(*args))
 
 
 def _concat(parts: list):
@@ -82,22 +88,24 @@ def _import_lazy_torch_modules() -> None:
 
 
 class WindowWorkers:
-    """``n`` forked processes, each evaluating a fixed contiguous share of ``problem``'s windows."""
+    """``n`` forked processes, each evaluating a fixed contiguous share of ``problem``'s windows: one pool of one
+    process per share, so that a share always goes to the same process (a shared pool hands a call to whichever
+    process is free, and what a process kept from the share's last call would then sit in the other one)."""
 
     def __init__(self, problem, n: int):
         _import_lazy_torch_modules()
         self.problem = problem
         self.shares = [a.tolist() for a in np.array_split(np.arange(problem.B_win), n)]
         self.failure: Optional[str] = None
-        self._pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"), initializer=_adopt,
-                                         initargs=(problem,))
+        self._pools = [ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"), initializer=_adopt,
+                                           initargs=(problem,)) for _ in self.shares]
 
     def map(self, method: str, w: torch.Tensor, x0: Optional[torch.Tensor], *rest):
         """``problem.<method>(w, x0, *rest)`` with the windows spread over the workers; results are
         concatenated along the window axis (a tuple's items each, ``None`` items kept)."""
         w, x0 = w.detach(), None if x0 is None else x0.detach()          # (on the CPU: see can_fork)
-        futures = [self._pool.submit(_evaluate, method, idx, (w, None if x0 is None else x0[idx], *rest))
-                   for idx in self.shares]
+        futures = [pool.submit(_evaluate, method, idx, (w, None if x0 is None else x0[idx], *rest))
+                   for pool, idx in zip(self._pools, self.shares)]
         try:
             parts = [f.result() for f in futures]
         except BrokenProcessPool as exc:      # a worker was killed (out of memory?): finish in this process
@@ -107,7 +115,10 @@ class WindowWorkers:
         return _concat(parts)                  # numpy keeps the dtype: the problem's
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for pool in self._pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools:
+            pool.shutdown(wait=True)
 
 
 @contextlib.contextmanager

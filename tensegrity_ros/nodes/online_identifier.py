@@ -133,7 +133,8 @@ class OnlineIdentifierNode(C.GraphNode):
         self.update_time = C.RollingStats(500)
         self.update_ends: Deque[float] = deque(maxlen=2000)   # monotonic s at the end of each finished update
         self.stats = {"updates": 0, "accepted": 0, "rejected": 0, "skipped_busy": 0, "skipped_duty": 0,
-                      "skipped_short": 0}
+                      "skipped_short": 0, "skipped_no_new_data": 0}
+        self._fitted_appended = -1     # SlidingWindow.appended when the last update took its snapshot
         self._last_update_s, self._last_update_end = 0.0, -math.inf
         self.last_decision: Optional[Decision] = None
         self.last_candidate: Optional[Candidate] = None
@@ -190,12 +191,20 @@ class OnlineIdentifierNode(C.GraphNode):
         if time.monotonic() - self._last_update_end < rest:
             self.stats["skipped_duty"] += 1
             return
+        # no node state since the last update's snapshot (the robot stopped, mocap lost the markers, the run ended):
+        # the same window would give the same fit; refitting it only took the CPU from the rest of the graph (the
+        # demo's identifier refitted its last window 5 times, ~30 s, while the demo wrote its report)
+        appended = self.window.appended
+        if appended == self._fitted_appended:
+            self.stats["skipped_no_new_data"] += 1
+            return
         snap = self.window.snapshot(self.p["min_window_s"])
         if snap is None:
             self.stats["skipped_short"] += 1
             return
         if self._closing:
             return
+        self._fitted_appended = appended
         self._updating = threading.Thread(target=self._update, args=(snap,), name="online-identifier-update",
                                           daemon=True)
         self._updating.start()
