@@ -205,6 +205,9 @@ def test_rolling_stats():
         r.add(v)
     s = r.summary()
     assert s["n"] == 200 and s["p50"] == pytest.approx(150.5) and s["max"] == 200
+    last = r.summary(1e3, "ms_", last=10)          # the newest 10 (a node's diagnostics), scaled and prefixed
+    assert last["ms_n"] == 200 and last["ms_p50"] == pytest.approx(195.5e3) and last["ms_max"] == 200e3
+    assert last["ms_p99"] == pytest.approx(float(np.percentile(np.arange(191, 201), 99)) * 1e3)
 
 
 def test_the_facade_re_exports_the_codec():

@@ -1395,4 +1395,3 @@ def _within_chi2_of_minimum(gains: Sequence[float], tol: float) -> bool:
     last, before = gains[-1], gains[-2]
     rho = last / before if before > 0 else 0.0
     return rho < 1.0 and last * rho / (1.0 - rho) < tol
-

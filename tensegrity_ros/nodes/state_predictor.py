@@ -106,6 +106,11 @@ class PredictorFigures:
         return self.published / self.due if self.due else math.nan
 
 
+#: the predictions the 1-Hz diagnostics summarise (~10 s at 120 Hz): the callback runs in the executor's thread, so it
+#: reads the newest samples only (the run's figures, for the demo's summary and health, read ``latency`` whole)
+DIAGNOSTICS_SAMPLES = 1200
+
+
 class StatePredictorNode(C.GraphNode):
     DEFAULT_NAME = "state_predictor"
     PARAMS = PARAMS
@@ -367,8 +372,9 @@ class StatePredictorNode(C.GraphNode):
                                    "last_prediction_extended": self.stream.last_extended,
                                    "nominal_steps": self.stream.nominal_steps(),
                                    "relinearize_failures": self.lin_failures}
-        vals.update(self.latency.summary(1e3, "latency_ms_"))
-        vals.update(self.compute.summary(1e3, "compute_ms_"))
+        lat = self.latency.summary(1e3, "latency_ms_", last=DIAGNOSTICS_SAMPLES)
+        vals.update(lat)
+        vals.update(self.compute.summary(1e3, "compute_ms_", last=DIAGNOSTICS_SAMPLES))
         vals.update(self.lin_time.summary(1e3, "relinearize_ms_"))
         for ahead in (0.1, 0.5, self.steps * self.core.dt):   # what the predictions turned out to be worth
             vals[f"realized_error_mm_at_{ahead:.2g}s"] = self.realized.at(ahead) * 1e3
@@ -382,8 +388,8 @@ class StatePredictorNode(C.GraphNode):
         elif self.lin_failures and self.last_error:
             level, message = "warn", self.last_error
         else:
-            p50, p99 = self.latency.percentile(50) * 1e3, self.latency.percentile(99) * 1e3
-            level, message = "ok", f"latency p50 {p50:.2f} ms, p99 {p99:.2f} ms"
+            level, message = "ok", (f"latency p50 {lat['latency_ms_p50']:.2f} ms, p99 {lat['latency_ms_p99']:.2f} ms "
+                                    f"(the last {DIAGNOSTICS_SAMPLES} predictions)")
         self.publish_diagnostics([C.diag_status(f"{self.get_name()}: state predictor", level, message, vals,
                                                 self.structure.name)])
 

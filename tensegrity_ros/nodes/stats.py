@@ -52,13 +52,16 @@ class RollingStats:
         v = self.values()
         return float(np.percentile(v, q)) if v.size else math.nan
 
-    def summary(self, scale: float = 1.0, prefix: str = "") -> Dict[str, float]:
-        v = self.values() * scale
+    def summary(self, scale: float = 1.0, prefix: str = "", last: Optional[int] = None) -> Dict[str, float]:
+        """{n (every sample ever added), p50, p99, mean, max} of the window, or of its ``last`` samples only: a
+        node's 1-Hz diagnostics run in the executor's thread, where the 20 000-sample window's two summaries and
+        two percentiles blocked every other callback for ~6 ms (the predictor's, measured in the demo; p99 29 ms)."""
+        v = (self.values() if last is None else self.recent(last)) * scale
         if not v.size:
             return {f"{prefix}n": 0}
-        return {f"{prefix}n": self.count, f"{prefix}p50": float(np.percentile(v, 50)),
-                f"{prefix}p99": float(np.percentile(v, 99)), f"{prefix}mean": float(v.mean()),
-                f"{prefix}max": float(v.max())}
+        p50, p99 = np.percentile(v, (50, 99))
+        return {f"{prefix}n": self.count, f"{prefix}p50": float(p50), f"{prefix}p99": float(p99),
+                f"{prefix}mean": float(v.mean()), f"{prefix}max": float(v.max())}
 
 
 class RateMeter:
