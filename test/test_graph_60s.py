@@ -33,7 +33,8 @@ def test_graph_runs_60s_with_zero_drops():
         assert rx.get(topic, 0) >= 0.25 * rate * DURATION_S, f"{topic}: only {rx.get(topic, 0)} messages"
     assert rx.get(C.TOPICS["predicted_states"], 0) > 0, "no predictions"
     assert "state_predictor" not in run.nodes            # it ran in its own process; its counts came over the pipe
-    assert run.drops["state_predictor"][C.TOPICS["node_states"]] == 0
+    assert run.drops["state_predictor"][C.TOPICS["node_states"]] == 0, \
+        f"drained: {run.drained}; node states published {pub.get(C.TOPICS['node_states'])}"
     assert rx.get(C.TOPICS["identified_parameters"], 0) >= 1
     assert rx.get(C.TOPICS["diagnostics"], 0) > 0
     # nothing lost anywhere
