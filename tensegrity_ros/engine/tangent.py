@@ -417,16 +417,14 @@ def rollout_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangent
     for a in range(0, n_steps, chunk):
         b = min(a + chunk, n_steps)
         starts_Q, starts_V = [], []
-        for k in range(a, b):                                            # the primal, step by step
-            if primal is not None:
-                starts_Q.append(primal[0][k])
-                starts_V.append(primal[1][k])
-                record_Q(k + 1, primal[0][k + 1])
-                continue
+        for k in range(a, b):                      # the primal, step by step (or the caller's states of it)
             starts_Q.append(Q)
             starts_V.append(V)
-            Q, V = step_reduced(c, der, Q, V, None if u is None else u[k], None if ud is None else ud[k],
-                                None if fq is None else fq[k], float(dt), "semi_implicit", opts)
+            if primal is None:
+                Q, V = step_reduced(c, der, Q, V, None if u is None else u[k], None if ud is None else ud[k],
+                                    None if fq is None else fq[k], float(dt), "semi_implicit", opts)
+            else:
+                Q, V = primal[0][k + 1], primal[1][k + 1]
             record_Q(k + 1, Q)
         # every step of the chunk linearised at once, rows ordered (step, window)
         _, _, Phi, Psi = _step(c, der, dth, mt, torch.cat(starts_Q), torch.cat(starts_V), rows_of(u, a, b),
