@@ -36,3 +36,9 @@ def test_short_demo_ends_with_its_verdict_and_matching_exit_code(tmp_path):
     lost, never = summary["lost_messages"], summary["not_produced_messages"]
     assert isinstance(lost, int) and isinstance(never, int) and lost + never >= summary["dropped_messages"] >= 0
     assert any(f"({lost} lost between nodes, {never} never produced by the sources)" in x for x in lines), lines[-12:]
+    # the priorities it asked for, each done or refused with how to allow it: the state predictor on a SCHED_FIFO
+    # executor thread of its own, the simulated robot's process SCHED_FIFO above it
+    rt, robot = summary["priorities"]["realtime_executor"], summary["priorities"]["robot_process"]["realtime"]
+    assert rt["nodes"] == ["state_predictor"]
+    for got, prio in ((rt, 10), (robot, 20)):
+        assert got["message"] == f"SCHED_FIFO priority {prio}" if got["done"] else "ulimit -r" in got["message"], got

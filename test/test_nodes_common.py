@@ -258,13 +258,26 @@ def test_fast_codecs_match_rclpy():
     assert cdr.joint_state_from_cdr(empty).names == ()
 
 
+def _output_until(proc, text: str, timeout_s: float) -> str:
+    """A node process's output, line by line, until ``text`` appears, it ends or ``timeout_s`` passes."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    out = ""
+    while time.monotonic() < deadline and text not in out:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out += line
+    return out
+
+
 def test_run_node_exits_cleanly_on_sigterm_and_refuses_bad_parameters(tmp_path):
     """`main` of a node (C.run_node): SIGTERM -> destroy_node and exit 0; a bad parameter -> one line, exit 1."""
     import os
     import signal
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     model = Path(__file__).resolve().parents[1] / "config" / "models" / "icosahedron.yaml"
@@ -274,13 +287,7 @@ def test_run_node_exits_cleanly_on_sigterm_and_refuses_bad_parameters(tmp_path):
                              "-p", f"model_file:={model}"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 30
-        out = ""
-        while time.monotonic() < deadline and "waiting for markers" not in out:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            out += line
+        out = _output_until(proc, "waiting for markers", 30)
         assert "waiting for markers" in out, out
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
@@ -290,6 +297,44 @@ def test_run_node_exits_cleanly_on_sigterm_and_refuses_bad_parameters(tmp_path):
     bad = subprocess.run([sys.executable, "-c", code, "--ros-args", "-p", f"model_file:={tmp_path / 'missing.yaml'}"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "model_file" in bad.stderr and "no such file" in bad.stderr
+
+
+def test_run_node_puts_the_callbacks_thread_under_sched_fifo_when_rt_priority_is_set():
+    """`rt_priority` of the state predictor run as its own executable (as ros2 launch runs it): the thread that
+    spins its executor (the main thread) runs under SCHED_FIFO at that priority, the threads the node started
+    before it (its linearizer, rclpy's) stay normal; refused (no root / CAP_SYS_NICE), the log says how to allow
+    it and the node runs on."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = "import sys; from tensegrity_ros.nodes.state_predictor import main; sys.exit(main())"
+    env = {**os.environ, "ROS_DOMAIN_ID": os.environ.get("ROS_DOMAIN_ID", "0")}
+    proc = subprocess.Popen([sys.executable, "-c", code, "--ros-args", "-r", "__node:=predictor_rt",
+                             "-p", f"model_file:={root / 'config' / 'models' / 'stacked_manipulator.yaml'}",
+                             "-p", f"reference_file:={root / 'config' / 'references' / 'seed_sinusoids.yaml'}",
+                             "-p", "rt_priority:=7"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        out = _output_until(proc, "callbacks' thread", 60)
+        assert "callbacks' thread" in out, out
+        if "cannot set" in out:
+            assert "needs root, CAP_SYS_NICE or a real-time limit (ulimit -r)" in out
+        else:
+            assert "callbacks' thread: SCHED_FIFO priority 7" in out, out
+            assert os.sched_getscheduler(proc.pid) & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO
+            assert os.sched_getparam(proc.pid).sched_priority == 7
+            others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
+            assert others and all(os.sched_getscheduler(t) == os.SCHED_OTHER for t in others)
+        assert proc.poll() is None, out          # runs on either way
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_the_graph_monitor_keeps_every_prediction_through_an_executor_stall(rclpy_context, make_node, spin_until):

@@ -80,3 +80,54 @@ def test_interpreter_exits_with_a_busy_worker_and_a_waiting_thread():
     assert proc.returncode == 0, proc.stderr
     assert "ready" in proc.stdout
     assert time.monotonic() - t0 < 30.0    # the 120-s job did not hold the exit
+
+
+def _policy_in_thread(fn):
+    """Run fn in a fresh thread (the test's own thread keeps its scheduling class); return what it returned."""
+    import threading
+
+    box = {}
+    t = threading.Thread(target=lambda: box.update(value=fn()))
+    t.start()
+    t.join(30)
+    return box["value"]
+
+
+@pytest.mark.parametrize("inherited", [False, True])
+def test_set_realtime_makes_the_calling_thread_fifo_and_its_children_normal_unless_inherited(inherited):
+    from tensegrity_ros.workers import set_realtime
+
+    def run():
+        import threading
+
+        done, text = set_realtime(10, inherited=inherited)
+        if not done:
+            return done, text, None, None
+        child = {}
+        t = threading.Thread(target=lambda: child.update(policy=os.sched_getscheduler(0)))
+        t.start()
+        t.join(30)
+        return done, text, os.sched_getscheduler(0), child["policy"]
+
+    done, text, own, child = _policy_in_thread(run)
+    if not done:
+        assert "needs root, CAP_SYS_NICE" in text
+        pytest.skip(f"no real-time scheduling here: {text}")
+    assert text == "SCHED_FIFO priority 10"
+    assert own & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO
+    # a thread it starts: normal scheduling after SCHED_RESET_ON_FORK, the same class when inherited
+    assert child & ~os.SCHED_RESET_ON_FORK == (os.SCHED_FIFO if inherited else os.SCHED_OTHER)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER          # the test's own thread is untouched
+
+
+def test_set_realtime_refused_says_how_to_allow_it_and_never_raises(monkeypatch):
+    from tensegrity_ros.workers import set_realtime
+
+    def refuse(*a):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    done, text = set_realtime(500)
+    assert not done
+    assert text.startswith("cannot set SCHED_FIFO priority 99 (Operation not permitted)")   # clamped to 1..99
+    assert "ulimit -r" in text

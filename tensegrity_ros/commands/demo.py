@@ -42,6 +42,10 @@ from ..paths import CONFIG_DIR
 #: at -5, level with the predictor's worker, each 1-s relinearisation burst competed with the per-message
 #: predictions: HEALTHY in 5 of 11 `make demo` runs, failing on latency p99 (20.9-24.1 ms); at -10, 3 of 3
 ROBOT_NICE, GRAPH_NICE = -10, -10
+#: and SCHED_FIFO priorities: the simulated robot's process (every thread) above the state predictor's own
+#: executor thread (bringup.REALTIME_NODES), both above everything at a niceness. Niceness alone left the
+#: latency p99 at 21.3-22.9 ms in 5 of 5 runs on stop 44's machine; with these, 5.8-10.1 ms (docs/nodes.md)
+ROBOT_RT_PRIORITY, PREDICTOR_RT_PRIORITY = 20, 10
 #: written into --out, so that the next `make demo` may replace the folder without --force
 MARKER = ".tensegrity-demo-output"
 
@@ -58,8 +62,10 @@ def add_arguments(parser) -> None:
                         help="replace a non-empty --out that is not an earlier demo's output (default: refuse)")
     parser.add_argument("--no-priority", dest="priority", action="store_false",
                         help="do not raise the simulated robot's and the graph's priority (default: niceness "
-                             f"{ROBOT_NICE} and {GRAPH_NICE}; the predictor's worker runs at -5, the identifier's at 5; needs root, "
-                             "CAP_SYS_NICE or `ulimit -e`, else the run goes on and says so)")
+                             f"{ROBOT_NICE} and {GRAPH_NICE}; the predictor's worker runs at -5, the identifier's at 5; "
+                             f"and SCHED_FIFO {ROBOT_RT_PRIORITY} for the simulated robot's process, "
+                             f"{PREDICTOR_RT_PRIORITY} for the state predictor's executor thread; needs root, "
+                             "CAP_SYS_NICE or `ulimit -e` / `ulimit -r`, else the run goes on and says so)")
     parser.add_argument("--model", default=str(CONFIG_DIR / "models" / "stacked_manipulator.yaml"),
                         help="nominal structure YAML")
     parser.add_argument("--reference",
@@ -216,6 +222,14 @@ def demo_nodes(args, nodes):
     return tuple(n for n in nodes if n != "visualizer" or args.visualizer)
 
 
+def priority_fields(raise_priorities: bool = True) -> dict:
+    """The GraphConfig fields of the demo's priorities (``--no-priority``: none); bench_graph.py shares them."""
+    if not raise_priorities:
+        return {}
+    return dict(robot_nice=ROBOT_NICE, graph_nice=GRAPH_NICE, robot_rt_priority=ROBOT_RT_PRIORITY,
+                executor_rt_priority=PREDICTOR_RT_PRIORITY)
+
+
 def graph_config(args, **fields):
     """The demo's GraphConfig from its arguments (``fields`` on top: nodes, overrides, ...)."""
     from ..bringup import DEFAULT_NODES, GraphConfig
@@ -226,10 +240,10 @@ def graph_config(args, **fields):
                   predictor_process=args.predictor_process,
                   record_topics=None if args.no_bag else ["*"],
                   record_every={"/tensegrity/predicted_states": 12},
-                  keep_predictions_every=6, robot_nice=ROBOT_NICE if args.priority else None,
+                  keep_predictions_every=6,
                   # the plate poses follow from the node states (same callback): 240 callbacks/s less
                   monitor_skip=(TOPICS["plate_c1"], TOPICS["plate_c2"]),
-                  graph_nice=GRAPH_NICE if args.priority else None)
+                  **priority_fields(args.priority))
     values.update(fields)
     return GraphConfig(**values)
 

@@ -193,6 +193,12 @@ def run_node(node_cls, argv: Optional[Sequence[str]] = None, *, threads: int = 1
         except (ValueError, OSError, KeyError, RuntimeError) as e:
             print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
+        rt = int(getattr(node, "p", {}).get("rt_priority", 0) or 0)
+        if rt:   # this thread spins the executor below; the threads the node already started stay normal
+            from ..workers import set_realtime
+
+            done, text = set_realtime(rt)
+            (node.get_logger().info if done else node.get_logger().warning)(f"callbacks' thread: {text}")
         executor = MultiThreadedExecutor(num_threads=threads) if threads > 1 else SingleThreadedExecutor()
         executor.add_node(node)
         while not stop.is_set() and node.fault is None and rclpy.ok():

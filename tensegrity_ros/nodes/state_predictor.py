@@ -74,6 +74,10 @@ PARAMS = (
     ParamSpec("worker_nice", 5, "niceness of the worker process, absolute, never above the node's own priority "
               "(raise it to favour the per-message path; 0 = the node's own)",
               range=(-20, 19), read_only=True),
+    ParamSpec("rt_priority", 0, "SCHED_FIFO priority of the thread that runs this node's callbacks when it runs "
+              "as its own executable (ros2 launch; 0 = normal scheduling). Its threads and workers stay normal. "
+              "Needs root, CAP_SYS_NICE or `ulimit -r`; refused, it is logged and the node runs on",
+              range=(0, 99), read_only=True),
     ParamSpec("realized_every", 24, "score every n-th published prediction against the node states that arrive "
               "later (the realized error in /diagnostics and in each prediction's realized_error)",
               range=(1, 100000), read_only=True),
