@@ -45,8 +45,8 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True,
     from tensegrity_ros.bringup import (GraphConfig, build_graph, delivery, delivery_summary, drain, graph_health,
                                         stop_sources)
 
-    # the demo's priorities: the simulated robot above the predictor's callbacks, above the rest of the graph's,
-    # all above the compute workers
+    # the demo's priorities (its default, without --realtime): the simulated robot and the graph's callbacks above
+    # the compute workers
     from tensegrity_ros.commands.demo import priority_fields
 
     graph = build_graph(GraphConfig(keep_predictions_every=1000, robot_process=robot_process,

@@ -111,10 +111,9 @@ class GraphConfig:
     #: worker's time slice, which set the predictor's latency tail (see workers.set_realtime). The rest stays
     #: on the normal executor, where ~800 callbacks/s are taken several per wake-up
     executor_rt_priority: Optional[int] = None
-    #: SCHED_FIFO priority of the simulated robot's process, every thread of it (robot_process only; None =
-    #: normal scheduling). It stands in for hardware with processors of its own, so it ranks above the graph:
-    #: with only the graph's executor real-time, the twin and driver fell to 105-117 Hz of mocap and ~75 Hz of
-    #: motor states (4 % of the frames never produced)
+    #: SCHED_FIFO priority of the simulated robot's simulation thread (sim_robot's ``rt_priority``; None = its
+    #: yaml's). It stands in for hardware with processors of its own, so it ranks above the graph: with only
+    #: the graph's executor real-time, the twin fell to 105-117 Hz of mocap (4 % of the frames never produced)
     robot_rt_priority: Optional[int] = None
     #: topics the monitor does not subscribe to (each is one more callback per message in the graph's process)
     monitor_skip: Tuple[str, ...] = ()
@@ -516,7 +515,8 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
     predictor_remote = cfg.predictor_process and "state_predictor" in cfg.nodes
     common = {"model_file": str(cfg.model_file)}
     per_node = {
-        "sim_robot": {**common, "true_model_file": cfg.true_model_file, "perturb_fraction": cfg.perturb_fraction,
+        "sim_robot": {**common, **({} if cfg.robot_rt_priority is None else {"rt_priority": cfg.robot_rt_priority}),
+                      "true_model_file": cfg.true_model_file, "perturb_fraction": cfg.perturb_fraction,
                       "link_path": link},
         "dynamixel_driver": {**yaml_parameters("dynamixel_driver", files=("dynamixel_driver_sim.yaml",)),
                              **common, "reference_file": str(cfg.reference_file), "port": link},
@@ -623,6 +623,7 @@ def _robot_stats(nodes: Mapping[str, Node]) -> Dict[str, Any]:
                          "missed_cycles": int(st.missed_cycles), "jitter_p99_ms": float(st.jitter_p99_s * 1e3)}
     if sim is not None:
         out["sim"] = {"mocap_rate_hz": float(sim.p["mocap_rate_hz"]), "realtime_factor": float(sim.rtf),
+                      "realtime": sim.rt_status,
                       "frames": int(sim.frames),
                       "skipped_frames": int(sim.skipped_frames),
                       "lag_ms_p99": sim.lag.percentile(99) * 1e3 if sim.lag.count else 0.0}
@@ -675,11 +676,6 @@ def _process_main(conn, cfg: GraphConfig, role: str) -> None:
 
         nice = cfg.robot_nice if role == "robot" else cfg.graph_nice
         prio = _renice(nice, f"the {role}'s process") if nice is not None else None
-        if role == "robot" and cfg.robot_rt_priority is not None:
-            from .workers import set_realtime
-
-            done, text = set_realtime(cfg.robot_rt_priority, inherited=True)   # before any thread starts
-            prio = dict(prio or {}, realtime={"done": done, "message": text})
         graph = build_graph(replace(cfg, robot_nice=None, graph_nice=None))   # applied above, to this process
         sim = graph.nodes.get("sim_robot")
         conn.send(("ready", {"true_structure": None if sim is None else sim.true_structure, "priority": prio}))

@@ -257,21 +257,19 @@ def set_niceness(nice: int, pid: int = 0) -> Tuple[bool, int, str]:
                             "needs root, CAP_SYS_NICE or a nice limit (ulimit -e)")
 
 
-def set_realtime(priority: int, inherited: bool = False) -> Tuple[bool, str]:
+def set_realtime(priority: int) -> Tuple[bool, str]:
     """Run the calling thread under SCHED_FIFO at ``priority`` (1..99), as ros2_control's controller manager
     does for its update thread (realtime_tools' configure_sched_fifo): the kernel then runs it the moment it
     wakes, ahead of every normal thread on the machine, instead of when the fair scheduler next gets round to
-    it. Unless ``inherited``, SCHED_RESET_ON_FORK makes the threads and processes it starts run at normal
-    priority (a compute worker started from it must not take a real-time class); ``inherited``: they keep it
-    (a process whose every thread is real-time work, the simulated robot's). The kernel's real-time throttling
-    (sched_rt_runtime_us, 95 % by default) still bounds what a runaway thread could take. Needs root,
-    CAP_SYS_NICE or ``ulimit -r``; returns (done, what happened, for logs and summaries) and never raises."""
+    it. With SCHED_RESET_ON_FORK the threads and processes it starts run at normal priority (a compute worker
+    started from it must not take a real-time class). The kernel's real-time throttling (sched_rt_runtime_us,
+    95 % by default) still bounds what a runaway thread could take. Needs root, CAP_SYS_NICE or ``ulimit -r``;
+    returns (done, what happened, for logs and summaries) and never raises."""
     prio = max(1, min(99, int(priority)))
     policy = getattr(os, "SCHED_FIFO", None)
     if policy is None:   # pragma: no cover - not Linux
         return False, "no SCHED_FIFO on this platform; staying at normal priority"
-    if not inherited:
-        policy |= getattr(os, "SCHED_RESET_ON_FORK", 0)
+    policy |= getattr(os, "SCHED_RESET_ON_FORK", 0)
     try:
         os.sched_setscheduler(0, policy, os.sched_param(prio))
         return True, f"SCHED_FIFO priority {prio}"

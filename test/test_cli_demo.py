@@ -18,8 +18,8 @@ def test_short_demo_ends_with_its_verdict_and_matching_exit_code(tmp_path):
     env = {**os.environ, "ROS_DOMAIN_ID": "77", "PYTHONUNBUFFERED": "1"}
     # 12 s: too short for the identifier's first set, so the run is DEGRADED (no update period): exit 3
     r = subprocess.run([sys.executable, "-m", "tensegrity_ros.cli", "demo", "--duration", "12", "--no-bag",
-                        "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True, timeout=280)
+                        "--realtime", "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=280)
     lines = [x for x in r.stdout.splitlines() if x.strip()]
     summary = json.loads((out / "summary.json").read_text())
     health = summary["health"]
@@ -36,9 +36,9 @@ def test_short_demo_ends_with_its_verdict_and_matching_exit_code(tmp_path):
     lost, never = summary["lost_messages"], summary["not_produced_messages"]
     assert isinstance(lost, int) and isinstance(never, int) and lost + never >= summary["dropped_messages"] >= 0
     assert any(f"({lost} lost between nodes, {never} never produced by the sources)" in x for x in lines), lines[-12:]
-    # the priorities it asked for, each done or refused with how to allow it: the state predictor on a SCHED_FIFO
-    # executor thread of its own, the simulated robot's process SCHED_FIFO above it
-    rt, robot = summary["priorities"]["realtime_executor"], summary["priorities"]["robot_process"]["realtime"]
+    # the priorities --realtime asked for, each done or refused with how to allow it: the state predictor on a
+    # SCHED_FIFO executor thread of its own, the simulated robot's simulation thread SCHED_FIFO above it
+    rt, sim = summary["priorities"]["realtime_executor"], summary["priorities"]["simulation_thread"]
     assert rt["nodes"] == ["state_predictor"]
-    for got, prio in ((rt, 10), (robot, 20)):
+    for got, prio in ((rt, 10), (sim, 20)):
         assert got["message"] == f"SCHED_FIFO priority {prio}" if got["done"] else "ulimit -r" in got["message"], got

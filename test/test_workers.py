@@ -93,14 +93,13 @@ def _policy_in_thread(fn):
     return box["value"]
 
 
-@pytest.mark.parametrize("inherited", [False, True])
-def test_set_realtime_makes_the_calling_thread_fifo_and_its_children_normal_unless_inherited(inherited):
+def test_set_realtime_makes_the_calling_thread_fifo_and_the_threads_it_starts_normal():
     from tensegrity_ros.workers import set_realtime
 
     def run():
         import threading
 
-        done, text = set_realtime(10, inherited=inherited)
+        done, text = set_realtime(10)
         if not done:
             return done, text, None, None
         child = {}
@@ -115,8 +114,7 @@ def test_set_realtime_makes_the_calling_thread_fifo_and_its_children_normal_unle
         pytest.skip(f"no real-time scheduling here: {text}")
     assert text == "SCHED_FIFO priority 10"
     assert own & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO
-    # a thread it starts: normal scheduling after SCHED_RESET_ON_FORK, the same class when inherited
-    assert child & ~os.SCHED_RESET_ON_FORK == (os.SCHED_FIFO if inherited else os.SCHED_OTHER)
+    assert child == os.SCHED_OTHER             # a thread it starts: normal scheduling (SCHED_RESET_ON_FORK)
     assert os.sched_getscheduler(0) == os.SCHED_OTHER          # the test's own thread is untouched
 
 

@@ -42,10 +42,11 @@ from ..paths import CONFIG_DIR
 #: at -5, level with the predictor's worker, each 1-s relinearisation burst competed with the per-message
 #: predictions: HEALTHY in 5 of 11 `make demo` runs, failing on latency p99 (20.9-24.1 ms); at -10, 3 of 3
 ROBOT_NICE, GRAPH_NICE = -10, -10
-#: and SCHED_FIFO priorities: the simulated robot's process (every thread) above the state predictor's own
-#: executor thread (bringup.REALTIME_NODES), both above everything at a niceness. Niceness alone left the
-#: latency p99 at 21.3-22.9 ms in 5 of 5 runs on stop 44's machine; with these, 5.8-10.1 ms (docs/nodes.md)
-ROBOT_RT_PRIORITY, PREDICTOR_RT_PRIORITY = 20, 10
+#: with --realtime, SCHED_FIFO too: the simulated robot's simulation thread above the state predictor's own
+#: executor thread (bringup.REALTIME_NODES), both above everything at a niceness. Not the default: on stop 44's
+#: 2-core machine it took the latency p99 from 21-23 ms to 6-10 ms in one hour and made it worse in the next
+#: (41-742 ms, against 12-28 ms without); docs/nodes.md, "Real-time scheduling"
+SIMULATION_RT_PRIORITY, PREDICTOR_RT_PRIORITY = 20, 10
 #: written into --out, so that the next `make demo` may replace the folder without --force
 MARKER = ".tensegrity-demo-output"
 
@@ -63,9 +64,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-priority", dest="priority", action="store_false",
                         help="do not raise the simulated robot's and the graph's priority (default: niceness "
                              f"{ROBOT_NICE} and {GRAPH_NICE}; the predictor's worker runs at -5, the identifier's at 5; "
-                             f"and SCHED_FIFO {ROBOT_RT_PRIORITY} for the simulated robot's process, "
-                             f"{PREDICTOR_RT_PRIORITY} for the state predictor's executor thread; needs root, "
-                             "CAP_SYS_NICE or `ulimit -e` / `ulimit -r`, else the run goes on and says so)")
+                             "needs root, CAP_SYS_NICE or `ulimit -e`, else the run goes on and says so)")
+    parser.add_argument("--realtime", action="store_true",
+                        help=f"also run the simulation thread under SCHED_FIFO {SIMULATION_RT_PRIORITY} and the state "
+                             f"predictor's callbacks on an executor thread of their own under SCHED_FIFO "
+                             f"{PREDICTOR_RT_PRIORITY} (default: off; it helped the latency in one hour of this "
+                             "2-core machine and hurt it in the next, docs/nodes.md; needs root, CAP_SYS_NICE or "
+                             "`ulimit -r`, else the run goes on and says so)")
     parser.add_argument("--model", default=str(CONFIG_DIR / "models" / "stacked_manipulator.yaml"),
                         help="nominal structure YAML")
     parser.add_argument("--reference",
@@ -222,12 +227,13 @@ def demo_nodes(args, nodes):
     return tuple(n for n in nodes if n != "visualizer" or args.visualizer)
 
 
-def priority_fields(raise_priorities: bool = True) -> dict:
-    """The GraphConfig fields of the demo's priorities (``--no-priority``: none); bench_graph.py shares them."""
+def priority_fields(raise_priorities: bool = True, realtime: bool = False) -> dict:
+    """The GraphConfig fields of the demo's priorities (``--no-priority``: none; ``--realtime``: SCHED_FIFO too);
+    bench_graph.py shares them."""
     if not raise_priorities:
         return {}
-    return dict(robot_nice=ROBOT_NICE, graph_nice=GRAPH_NICE, robot_rt_priority=ROBOT_RT_PRIORITY,
-                executor_rt_priority=PREDICTOR_RT_PRIORITY)
+    rt = dict(robot_rt_priority=SIMULATION_RT_PRIORITY, executor_rt_priority=PREDICTOR_RT_PRIORITY) if realtime else {}
+    return dict(robot_nice=ROBOT_NICE, graph_nice=GRAPH_NICE, **rt)
 
 
 def graph_config(args, **fields):
@@ -243,7 +249,7 @@ def graph_config(args, **fields):
                   keep_predictions_every=6,
                   # the plate poses follow from the node states (same callback): 240 callbacks/s less
                   monitor_skip=(TOPICS["plate_c1"], TOPICS["plate_c2"]),
-                  **priority_fields(args.priority))
+                  **priority_fields(args.priority, args.realtime))
     values.update(fields)
     return GraphConfig(**values)
 
@@ -371,7 +377,8 @@ def summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_r
     return {
         "health": health.as_dict(),
         "delivery": deliv,
-        "priorities": graph.priorities,
+        "priorities": {**graph.priorities, **({"simulation_thread": robot["sim"]["realtime"]}
+                                              if robot["sim"].get("realtime") else {})},
         "gc_pauses_ms": graph.gc.summary() if graph.gc is not None else {},
         "accepted_worse_than_previous": worse,
         "parameter_set_errors_pct": [round(e, 3) for e in set_errors],

@@ -80,6 +80,10 @@ PARAMS = (
               "interpolate; each message costs a DDS write here and a callback in every subscriber)",
               range=(1, 1000), read_only=True),
     ParamSpec("seed", 0, "seed of the marker noise / occlusion / shuffling", range=(0, 2 ** 31 - 1), read_only=True),
+    ParamSpec("rt_priority", 0, "SCHED_FIFO priority of the simulation thread (0 = normal scheduling): it stands "
+              "in for hardware with processors of its own. Only that periodic thread: the whole process under "
+              "SCHED_FIFO (start-up included) set off the kernel's real-time throttling. Needs root, CAP_SYS_NICE "
+              "or `ulimit -r`; refused, it is logged and the simulation runs on", range=(0, 99), read_only=True),
     ParamSpec("diagnostics_period_s", 1.0, "diagnostics period [s]", range=(0.05, 60.0), read_only=True),
 )
 
@@ -129,6 +133,7 @@ class SimRobotNode(C.GraphNode):
         self.skipped_frames = 0
         self.lag = C.RollingStats(2000)
         self.rtf = math.nan
+        self.rt_status: Optional[dict] = None    # rt_priority: {"done", "message"} once the thread started
         self.last_truth = None        # (stamp, positions (N, 3), velocities (N, 3))
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -162,6 +167,12 @@ class SimRobotNode(C.GraphNode):
         (a busy CPU) is not made up: like a mocap system, the frame is skipped (``skipped_frames``), so the
         stamps, the twin's time and the motor angles it was driven with always agree."""
         p = self.p
+        if p["rt_priority"]:
+            from ..workers import set_realtime
+
+            done, text = set_realtime(p["rt_priority"])
+            self.rt_status = {"done": done, "message": text}
+            (self.get_logger().info if done else self.get_logger().warning)(f"simulation thread: {text}")
         period = 1.0 / p["mocap_rate_hz"]
         dt = self.sim.dt
         rtf = p["realtime_factor"]
