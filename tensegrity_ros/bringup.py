@@ -107,9 +107,9 @@ class GraphConfig:
     graph_nice: Optional[int] = None
     #: SCHED_FIFO priority of a second executor thread that runs the callbacks of REALTIME_NODES (the state
     #: predictor's per-message path) apart from the rest of the graph; None = one executor, normal scheduling.
-    #: Niceness only weights the fair scheduler's shares: a woken executor still waited behind a compute
-    #: worker's time slice, which set the predictor's latency tail (see workers.set_realtime). The rest stays
-    #: on the normal executor, where ~800 callbacks/s are taken several per wake-up
+    #: Niceness only weights the fair scheduler's shares, so a woken executor may wait behind a compute worker's
+    #: time slice (see workers.set_realtime; measured both ways, docs/nodes.md). The rest stays on the normal
+    #: executor: all of it real-time took its ~800 callbacks/s one per wake-up and cost ~20 % more CPU
     executor_rt_priority: Optional[int] = None
     #: SCHED_FIFO priority of the simulated robot's simulation thread (sim_robot's ``rt_priority``; None = its
     #: yaml's). It stands in for hardware with processors of its own, so it ranks above the graph: with only

@@ -81,8 +81,8 @@ PARAMS = (
               range=(1, 1000), read_only=True),
     ParamSpec("seed", 0, "seed of the marker noise / occlusion / shuffling", range=(0, 2 ** 31 - 1), read_only=True),
     ParamSpec("rt_priority", 0, "SCHED_FIFO priority of the simulation thread (0 = normal scheduling): it stands "
-              "in for hardware with processors of its own. Only that periodic thread: the whole process under "
-              "SCHED_FIFO (start-up included) set off the kernel's real-time throttling. Needs root, CAP_SYS_NICE "
+              "in for hardware with processors of its own. Only that periodic thread: with the whole process under "
+              "SCHED_FIFO (start-up included) the kernel's real-time throttling set in once. Needs root, CAP_SYS_NICE "
               "or `ulimit -r`; refused, it is logged and the simulation runs on", range=(0, 99), read_only=True),
     ParamSpec("diagnostics_period_s", 1.0, "diagnostics period [s]", range=(0.05, 60.0), read_only=True),
 )
