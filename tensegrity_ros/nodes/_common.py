@@ -8,7 +8,7 @@ code may import from the module that owns a name.
 * **Parameters** (:mod:`.params`, rclpy-free): :class:`ParamSpec` tables, reusable checks,
   :func:`declare_parameters`.
 * **The node base and main** (:mod:`.graph_node`): :class:`LeanNode`, :class:`GraphNode`,
-  :class:`CountingPublisher`, :func:`run_node`.
+  :class:`CountingPublisher`, :func:`run_node`, :func:`realtime_thread`.
 * **Statistics** (:mod:`.stats`, rclpy-free): :class:`RollingStats`, :class:`RateMeter`, :class:`SequenceMonitor`.
 * **Records** (:mod:`.records`, rclpy-free): :class:`NodeStatesRecord`, :class:`JointRecord`, :class:`Prediction`.
 * **Conversions** (:mod:`.convert`, message classes but no rclpy): messages <-> arrays / records, stamps,
@@ -31,7 +31,7 @@ from .convert import (LEVELS, diag_status, diag_values, joint_state_from_msg, jo
                       node_states_to_msg, parameter_set_from_msg, parameter_set_to_msg, params_with_set,
                       pose_from_matrix, pose_stamped_from_matrix, prediction_from_msg, prediction_to_msg,
                       sample_to_node_states, sec_to_stamp, stamp_to_sec, transform_stamped_from_matrix)
-from .graph_node import CountingPublisher, GraphNode, LeanNode, run_node
+from .graph_node import CountingPublisher, GraphNode, LeanNode, realtime_thread, run_node
 from .params import (Check, ParameterError, ParamSpec, check_changes, declare_parameters, file_exists, nonnegative,
                      positive, required_file, spec_table, transform_from_list, transform_list)
 from .records import JointRecord, NodeStatesRecord, Prediction
@@ -50,7 +50,7 @@ __all__ = [
     "ParameterError", "Check", "ParamSpec", "positive", "nonnegative", "file_exists", "required_file",
     "transform_list", "transform_from_list", "declare_parameters", "spec_table", "check_changes",
     # graph_node
-    "LeanNode", "GraphNode", "CountingPublisher", "run_node",
+    "LeanNode", "GraphNode", "CountingPublisher", "realtime_thread", "run_node",
     # stats
     "RollingStats", "RateMeter", "SequenceMonitor",
     # records

@@ -166,6 +166,16 @@ class CountingPublisher:
 # =====================================================================================================
 # main
 # =====================================================================================================
+def realtime_thread(node: Node, priority: int, what: str) -> Dict[str, Any]:
+    """Put the calling thread under SCHED_FIFO at ``priority`` (workers.set_realtime) and log the outcome on
+    ``node``'s logger as "<what>: ..." (a refusal as a warning). Returns {"done", "message"}."""
+    from ..workers import set_realtime
+
+    done, text = set_realtime(priority)
+    (node.get_logger().info if done else node.get_logger().warning)(f"{what}: {text}")
+    return {"done": done, "message": text}
+
+
 def run_node(node_cls, argv: Optional[Sequence[str]] = None, *, threads: int = 1) -> int:
     """``main`` of a node: init, construct, spin until SIGINT/SIGTERM (or ``node.fault``), clean up.
 
@@ -195,10 +205,7 @@ def run_node(node_cls, argv: Optional[Sequence[str]] = None, *, threads: int = 1
             return 1
         rt = int(getattr(node, "p", {}).get("rt_priority", 0) or 0)
         if rt:   # this thread spins the executor below; the threads the node already started stay normal
-            from ..workers import set_realtime
-
-            done, text = set_realtime(rt)
-            (node.get_logger().info if done else node.get_logger().warning)(f"callbacks' thread: {text}")
+            realtime_thread(node, rt, "callbacks' thread")
         executor = MultiThreadedExecutor(num_threads=threads) if threads > 1 else SingleThreadedExecutor()
         executor.add_node(node)
         while not stop.is_set() and node.fault is None and rclpy.ok():

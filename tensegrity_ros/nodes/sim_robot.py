@@ -168,11 +168,7 @@ class SimRobotNode(C.GraphNode):
         stamps, the twin's time and the motor angles it was driven with always agree."""
         p = self.p
         if p["rt_priority"]:
-            from ..workers import set_realtime
-
-            done, text = set_realtime(p["rt_priority"])
-            self.rt_status = {"done": done, "message": text}
-            (self.get_logger().info if done else self.get_logger().warning)(f"simulation thread: {text}")
+            self.rt_status = C.realtime_thread(self, p["rt_priority"], "simulation thread")
         period = 1.0 / p["mocap_rate_hz"]
         dt = self.sim.dt
         rtf = p["realtime_factor"]
