@@ -275,3 +275,19 @@ def test_a_window_start_moves_past_a_long_dropout(pendulum_data):
     valid[st - 3:st + H // 2 + 8, free[0]] = False
     assert st // H not in [w // H for _, w in RefineProblem(s, [dataclasses.replace(ds, valid=valid)], true,
                                                             opts).window_ids]
+
+
+def test_window_mse_of_several_sets_in_one_batch_equals_one_at_a_time(pendulum_data):
+    """The online identifier scores the fit and the active set on its held-out windows in one engine batch; each
+    set's per-window errors are those of its own rollout (the pendulum is actuated, so the motor inputs repeat per
+    set too), and the set nearer the truth scores lower."""
+    from tensegrity_ros.ident.refine import RefineProblem
+    s, nominal, true, ds = pendulum_data
+    prob = RefineProblem.for_prediction(s, [ds], nominal, RefineOptions(kinds=()), window_s=0.2, max_windows=6)
+    sets = [true, nominal, true.with_values({"s3.rest_length": 1.11})]
+    one_at_a_time = np.stack([prob.window_mse(p, delay_s=0.02) for p in sets])
+    batched = prob.window_mse(sets, delay_s=0.02)
+    assert batched.shape == (3, prob.B_win)
+    np.testing.assert_allclose(batched, one_at_a_time, rtol=1e-10, atol=0.0)
+    assert np.all(batched[0] < 1e-8) and np.all(batched[1] > 1e-6)      # each copy ran with its own parameters
+    assert np.all(batched[2] >= batched[0]) and np.any(batched[2] > 1e-6)   # (s3 is slack in some windows)

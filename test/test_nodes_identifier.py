@@ -5,6 +5,7 @@ diagnostics; save/load services round-trip a structure YAML."""
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -244,4 +245,33 @@ def test_identifier_node_publishes_good_sets_and_refuses_poisoned_windows(rclpy_
         assert spin_until(ros_executor, fut.done, timeout=10) and not fut.result().success
     finally:
         ros_executor.remove_node(node)
+        node.destroy_node()
+
+
+@pytest.mark.parametrize("period_s, duty, expected", [(0.05, 1.0, 3), (3600.0, 1.0, 1), (0.05, 0.5, 1)])
+def test_an_update_longer_than_the_period_is_followed_by_the_next_at_once(rclpy_context, pendulum_data, period_s,
+                                                                          duty, expected):
+    """The update thread runs the next update as soon as the last ends when that one outlasted the timer's period
+    and new data came in meanwhile (not at the next tick); it hands back to the timer when there is no new data, when
+    the updates are quicker than the period, and when a duty cycle asks for a rest."""
+    s, path, true, ds = pendulum_data
+    node = _node(rclpy_context, path, update_period_s=period_s, max_duty=duty)
+    names = list(ds.node_names)
+    runs = []
+
+    def slow_update(appended):          # stands in for one fit: takes longer than 0.05 s; data arrive during the
+        runs.append(appended)           # first two, none during the third
+        node._fitted_appended = appended
+        time.sleep(0.1)
+        if len(runs) < 3:
+            node.window.add_nodes(100.0 + len(runs), names, ds.positions[0], np.ones(len(names), bool))
+
+    try:
+        node._update_once = slow_update
+        node.window.add_nodes(100.0, names, ds.positions[0], np.ones(len(names), bool))
+        node._on_timer()
+        assert node.wait_idle(10)
+        assert len(runs) == expected
+        assert runs == sorted(set(runs))          # each run took a newer window than the one before
+    finally:
         node.destroy_node()

@@ -502,7 +502,7 @@ def held_out_mse(structure: Structure, held, param_sets, options, window_s: floa
     prob = RefineProblem.for_prediction(structure, [held], param_sets[0], options.refine, window_s=window_s,
                                         max_windows=windows, device=None, backend=options.backend,
                                         integrator=options.integrator)
-    return [prob.window_mse(p) for p in param_sets]
+    return list(prob.window_mse(list(param_sets)))     # all sets in one engine batch
 
 
 def accept_config(p: Mapping[str, object]) -> AcceptConfig:
