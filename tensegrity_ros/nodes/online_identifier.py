@@ -58,6 +58,10 @@ PARAMS = (
               range=(0, 1000)),
     ParamSpec("first_update_iterations", 8, "stage-2 iterations of the updates before the first set is accepted "
               "(from the nominal, far off: converge further before the held-out test)", range=(1, 1000)),
+    ParamSpec("first_update_windows", 8, "stage-2 windows of the updates before the first set is accepted (more "
+              "data for the fit from the far-off nominal)", range=(1, 1000)),
+    ParamSpec("first_update_window_s", 0.2, "stage-2 window of the updates before the first set is accepted [s]",
+              range=(0.01, 10.0)),
     ParamSpec("first_update_max_s", 90.0, "wall-time budget of stage 2 until the first set is accepted [s]",
               range=(0.1, 3600.0)),
     ParamSpec("stage2_window_s", 0.1, "stage-2 multiple-shooting window [s] (short windows keep the problem "
