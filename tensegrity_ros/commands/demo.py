@@ -53,8 +53,8 @@ MARKER = ".tensegrity-demo-output"
 
 def add_arguments(parser) -> None:
     parser.add_argument("--duration", type=float, default=120.0,
-                        help="seconds of robot motion (default 120; measured on 2 cores, 2026-11-28: the first "
-                             "identified set accepted after ~18 s, identifier updates ~3 s apart, p50)")
+                        help="seconds of robot motion (default 120; measured on 2 cores, 2026-12-02: the first "
+                             "identified set accepted after 35-62 s, identifier updates 2.4-4.4 s apart, p50)")
     parser.add_argument("--out", default="build/demo",
                         help="output folder (default build/demo). A folder that holds an earlier demo's output is "
                              "replaced; any other non-empty folder is refused (exit 2) unless --force. Written to a "

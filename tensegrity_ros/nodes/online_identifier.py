@@ -239,8 +239,9 @@ class OnlineIdentifierNode(C.GraphNode):
 
     def _update(self, appended: int) -> None:
         """Updates back to back while each takes longer than the timer's period: the next one starts as the last
-        ends instead of at the next tick (the worker sat idle for half a period on average between updates, 0.5 s
-        of the demo's ~5-s update period). A duty cycle below 1, no new data or a shutdown hand back to the timer."""
+        ends instead of at the next tick (the worker sat idle for half a period on average between updates; in 3
+        demos each way the update period was not told apart at the 2-core machine's spread, 2.85-4.25 s p50).
+        A duty cycle below 1, no new data or a shutdown hand back to the timer."""
         while True:
             started = time.monotonic()
             self._update_once(appended)
