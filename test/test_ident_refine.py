@@ -289,5 +289,6 @@ def test_window_mse_of_several_sets_in_one_batch_equals_one_at_a_time(pendulum_d
     batched = prob.window_mse(sets, delay_s=0.02)
     assert batched.shape == (3, prob.B_win)
     np.testing.assert_allclose(batched, one_at_a_time, rtol=1e-10, atol=0.0)
+    np.testing.assert_array_equal(prob.window_mse(sets[:1], delay_s=0.02), one_at_a_time[:1])   # a list of one
     assert np.all(batched[0] < 1e-8) and np.all(batched[1] > 1e-6)      # each copy ran with its own parameters
     assert np.all(batched[2] >= batched[0]) and np.any(batched[2] > 1e-6)   # (s3 is slack in some windows)

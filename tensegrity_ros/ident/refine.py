@@ -808,14 +808,14 @@ class RefineProblem:
                            self.template.control_force_scalar, q.meta)
             return q
 
-        mask = self.mask[..., None].to(self.dtype)
+        single = isinstance(params, Params)
+        sets = [params] if single else list(params)
+        C = len(sets)
         with torch.no_grad():
-            if isinstance(params, Params):
-                pred, _, _ = self.simulate(prepared(params), d, None)
-                return (pred - self.targets) * mask
-            C = len(params)
-            pred, _, _ = self.simulate(stack_params([prepared(q) for q in params]), d.expand(C), None, copies=C)
-            return (pred - self.targets.unsqueeze(0)) * mask.unsqueeze(0)
+            p = prepared(sets[0]) if C == 1 else stack_params([prepared(q) for q in sets])
+            pred, _, _ = self.simulate(p, d if C == 1 else d.expand(C), None, copies=C)
+            r = (pred - self.targets) * self.mask[..., None].to(self.dtype)      # broadcast over the sets
+        return r if single or C > 1 else r.unsqueeze(0)
 
     def residual_rms(self, r: torch.Tensor) -> float:
         """RMS 3-D position error (m) of masked residuals ``r`` (:meth:`residuals`) over the observed samples."""
