@@ -1,7 +1,7 @@
 """The node graph against the simulated robot (tensegrity_ros.bringup): node-state -> prediction latency (p50 /
 p99, DDS reception to publish), the identifier's update time, what was delivered against rate x duration over a
 run (default 300 s), message rates, the driver's loop, CPU use and the machine's load (the figures depend on
-it), and the run's health verdict against config/health.yaml (section graph; exit 3 when degraded).
+it: the cores' busy and stolen time, the executor thread's waits for a CPU), and the run's health verdict against config/health.yaml (section graph; exit 3 when degraded).
 
     python bench/bench_graph.py [--duration 300]
     python -c "import bench.bench_graph as b; print(b.run(30))"
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tensegrity_ros.machine_load import describe as describe_load
 from tensegrity_ros.paths import REPO_ROOT
 
 OUT = REPO_ROOT / "build" / "bench" / "graph.json"
@@ -73,6 +74,7 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True,
         wall = time.monotonic() - t0
         cpu1 = {k: _cpu_s(p) for k, p in pids.items()}
         load1 = os.getloadavg()
+        machine = graph.load.summary() if graph.load is not None else {}   # the run itself, not the drain after
         stop_sources(graph)
         delivered = drain(graph, 30.0)
         drops = graph.drops()
@@ -112,6 +114,8 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True,
             "ingest_ms_p50": _pct(ing.proc_time, 50), "ingest_ms_p99": _pct(ing.proc_time, 99),
             "cpu_cores": {k: round((cpu1[k] - cpu0[k]) / wall, 3) for k in pids},
             "loadavg_start": load0, "loadavg_end": load1, "cpu_count": os.cpu_count(),
+            # the cores' busy / stolen time and the executor thread's waits for a CPU (tensegrity_ros.machine_load)
+            "machine": machine,
         }
     finally:
         graph.shutdown()
@@ -131,6 +135,8 @@ def main(argv=None) -> int:
           f"p50 {r['identifier_update_s_p50']:.2f} s; not delivered {r['dropped_messages']} ({r['lost_messages']} lost "
           f"between nodes, {r['not_produced_messages']} never produced); driver missed "
           f"{r['driver']['missed_cycles']} cycles; load {r['loadavg_end']}; wrote {OUT}")
+    if r["machine"]:
+        print(f"machine during the run: {describe_load(r['machine'])}")
     print(r["health"]["verdict"])
     return 0 if r["health"]["healthy"] else 3
 

@@ -34,6 +34,7 @@ from rclpy.executors import Executor, MultiThreadedExecutor, SingleThreadedExecu
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
+from .machine_load import LoadMeter
 from .nodes.cdr import node_states_from_cdr, prediction_from_cdr
 from .nodes.convert import diag_values, parameter_set_from_msg
 from .nodes.graph_node import LeanNode
@@ -51,6 +52,11 @@ DEFAULT_REFERENCE = CONFIG_DIR / "references" / "seed_sinusoids.yaml"
 DEFAULT_NODES = ("sim_robot", "dynamixel_driver", "mocap_ingest", "online_identifier", "state_predictor",
                  "visualizer")
 NODE_ORDER = DEFAULT_NODES + ("plate_controller",)
+#: the order in which one executor serves its nodes' ready callbacks (RankedExecutor): the latency-judged path
+#: first (the predictor, then the controller that reads it), then what produces its input (ingest, the
+#: robot's side), then the rest; anything not named (the monitor) last
+SERVICE_ORDER = ("state_predictor", "plate_controller", "mocap_ingest", "dynamixel_driver", "sim_robot",
+                 "online_identifier", "visualizer")
 #: the nodes that GraphConfig.executor_rt_priority puts on a real-time executor of their own: the 120-Hz path
 #: whose latency the graph's health judges (node-state reception -> prediction)
 REALTIME_NODES = ("state_predictor",)
@@ -142,6 +148,29 @@ def _parameters(values: Mapping[str, Any]) -> List[Parameter]:
             v = list(v)
         out.append(Parameter(k, value=v))
     return out
+
+
+class RankedExecutor(SingleThreadedExecutor):
+    """A SingleThreadedExecutor that serves its nodes in a fixed order (``SERVICE_ORDER`` by node name).
+
+    rclpy's executor keeps its nodes in a set and, after each wait, runs the ready callbacks node by node in
+    that set's iteration order: an order set by the node objects' addresses, so from run to run the state
+    predictor's node-state callback came before or after the identifier's and the monitor's callbacks of the
+    same wait. Here it comes first in every wait, in every run. Kept for that determinism: no gain in the
+    demo's latency tail was shown, which, traced, is mostly the executor's thread waiting for a CPU
+    (docs/nodes.md, "Where the latency tail comes from")."""
+
+    def __init__(self, order: Sequence[str] = SERVICE_ORDER, *, context=None):
+        super().__init__(context=context)
+        self._order = {name: i for i, name in enumerate(order)}
+        self._rank: Dict[Node, int] = {}   # per node, taken once (get_nodes runs at every wait)
+
+    def add_node(self, node: Node) -> bool:
+        self._rank[node] = self._order.get(node.get_name(), len(self._order))
+        return super().add_node(node)
+
+    def get_nodes(self) -> List[Node]:
+        return sorted(super().get_nodes(), key=lambda node: self._rank.get(node, len(self._order)))
 
 
 # =====================================================================================================
@@ -311,6 +340,9 @@ class Graph:
     priorities: Dict[str, Any] = field(default_factory=dict)
     #: garbage-collector pauses of this process from the start of the run (:class:`GcPauses`)
     gc: Optional[GcPauses] = None
+    #: the machine's CPU use and the executor thread's run-queue waits from the start of the run
+    #: (:class:`~tensegrity_ros.machine_load.LoadMeter`, started by that thread)
+    load: Optional[LoadMeter] = None
     #: the executor of REALTIME_NODES (GraphConfig.executor_rt_priority; None: they are on ``executor``), its
     #: SCHED_FIFO priority (applied by its thread to itself when it starts) and its thread
     rt_executor: Optional[Executor] = None
@@ -335,6 +367,8 @@ class Graph:
                 self.priorities["realtime_executor"] = {"done": done, "message": text, "nodes": list(REALTIME_NODES)}
                 if not done:
                     log.warning("the real-time executor (%s): %s", ", ".join(REALTIME_NODES), text)
+            if executor is self.executor:
+                self.load = LoadMeter().start(threading.get_native_id())
             try:
                 executor.spin()
             except Exception as e:  # pragma: no cover - the nodes guard their callbacks
@@ -533,7 +567,7 @@ def build_graph(config: Optional[GraphConfig] = None, context=None) -> Graph:
     if cfg.executor not in ("single", "multi"):
         raise ValueError(f"executor {cfg.executor!r} (valid: single, multi)")
     executor = MultiThreadedExecutor(num_threads=cfg.threads, context=context) if cfg.executor == "multi" \
-        else SingleThreadedExecutor(context=context)
+        else RankedExecutor(context=context)
     graph = Graph(executor, nodes, context, None, owns_context=owns, priorities=priorities,
                   executor_rt_priority=cfg.executor_rt_priority)
     if cfg.executor_rt_priority is not None and set(REALTIME_NODES) & set(cfg.nodes) and not predictor_remote:

@@ -32,6 +32,7 @@ import numpy as np
 
 from . import UserError
 from ..health import EXIT_DEGRADED, format_value
+from ..machine_load import describe as describe_load
 from ..metrics import rms_error
 from ..param_names import kind_of
 from ..paths import CONFIG_DIR
@@ -331,6 +332,8 @@ def run(args) -> int:
                      f"nodes, {summary['not_produced_messages']} never produced by the sources); "
                      f"wrote {out / 'summary.json'}, "
                      f"{out / 'report.md'}" + ("" if args.no_bag else f", {out / 'bag'}") + "\n")
+    if summary["machine"]:
+        sys.stderr.write(f"machine during the run: {describe_load(summary['machine'])}\n")
     return report_health(health)
 
 
@@ -380,6 +383,8 @@ def summarise(graph, truth, nom, est_names, nominal_err, duration, drained, t0_r
         "priorities": {**graph.priorities, **({"simulation_thread": robot["sim"]["realtime"]}
                                               if robot["sim"].get("realtime") else {})},
         "gc_pauses_ms": graph.gc.summary() if graph.gc is not None else {},
+        # context for the health figures: a saturated machine, not only the software, sets the latency tail
+        "machine": graph.load.summary() if graph.load is not None else {},
         "accepted_worse_than_previous": worse,
         "parameter_set_errors_pct": [round(e, 3) for e in set_errors],
         "duration_s": round(duration, 3),
@@ -486,7 +491,9 @@ def write_report(graph, summary, truth, nom, est_names, t0_ros, out: Path, nomin
         f"| realized 1-s prediction error (scored against later node states, no truth) | "
         f"{s['prediction_realized_error_mm']['at_1s']:.2f} mm |",
         f"| mocap / driver loop rate, driver missed cycles | {s['rates']['mocap_hz']:.1f} / "
-        f"{s['rates']['driver_loop_hz']:.1f} Hz, {s['rates']['driver_missed_cycles']} |", "",
+        f"{s['rates']['driver_loop_hz']:.1f} Hz, {s['rates']['driver_missed_cycles']} |",
+        f"| the machine during the run | {describe_load(s['machine']) if s.get('machine') else 'not measured'} |",
+        "",
         "## Parameters (last published set vs truth)", "", "```", table, "```", "",
         f"## Health: {s['health']['verdict']}", "", "| figure | value | threshold | |", "|---|---|---|---|",
         *[f"| {n} | {format_value(f['value'], f['unit'])} | {'>=' if f['op'] == 'min' else '<='} "
