@@ -5,6 +5,7 @@ rclpy-free (and free of any ROS package): numpy only.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Tuple
 
@@ -62,3 +63,9 @@ class Prediction:
     @property
     def times(self) -> np.ndarray:
         return self.stamp + self.dt * np.arange(self.horizon_steps)
+
+    @property
+    def last_time(self) -> float:
+        """The last step's time (nan for an empty horizon), without building :attr:`times`."""
+        K = self.horizon_steps
+        return self.stamp + self.dt * (K - 1) if K else math.nan
