@@ -1,7 +1,8 @@
 """The node graph against the simulated robot (tensegrity_ros.bringup): node-state -> prediction latency (p50 /
 p99, DDS reception to publish), the identifier's update time, what was delivered against rate x duration over a
 run (default 300 s), message rates, the driver's loop, CPU use and the machine's load (the figures depend on
-it: the cores' busy and stolen time, the executor thread's waits for a CPU), and the run's health verdict against config/health.yaml (section graph; exit 3 when degraded).
+it: the cores' busy and stolen time, the executor thread's waits for a CPU), and the run's health verdict against
+config/health.yaml (section graph; exit 3 when degraded).
 
     python bench/bench_graph.py [--duration 300]
     python -c "import bench.bench_graph as b; print(b.run(30))"
@@ -74,7 +75,9 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True,
         wall = time.monotonic() - t0
         cpu1 = {k: _cpu_s(p) for k, p in pids.items()}
         load1 = os.getloadavg()
-        machine = graph.load.summary() if graph.load is not None else {}   # the run itself, not the drain after
+        if graph.load is not None:
+            graph.load.stop()          # the run itself, not the drain after it
+        machine = graph.load.summary() if graph.load is not None else {}
         stop_sources(graph)
         delivered = drain(graph, 30.0)
         drops = graph.drops()

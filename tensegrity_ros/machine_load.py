@@ -5,8 +5,8 @@ waited for a CPU while it was ready to run.
 Why: the demo's prediction latency p99 judges the software and the machine together. Traced in stop 47 (120-s
 demos with every callback timed), the slowest 1 % of predictions did as much work as the others (2-3 ms of
 CPU); their time went in waiting: for the executor to reach the message (most of it in no callback at all)
-and, inside the callback, in the run queue (74 % of the callbacks' waits over 5 ms: ready, not running), not
-behind the GIL or the garbage collector. These figures let a user tell a saturated machine from a slow
+and, inside the callback, mostly in the run queue (74 % of the callbacks' waits over 5 ms: ready, not running;
+the GIL can be no more than the rest), not in the garbage collector. These figures let a user tell a saturated machine from a slow
 program: context printed with the health verdict; they change no threshold.
 
 Linux only (``/proc/stat``, ``/proc/self/task/<tid>/schedstat``); elsewhere every figure is None.
@@ -45,13 +45,15 @@ def thread_schedstat(tid: int) -> Optional[Tuple[float, float]]:
 
 
 class LoadMeter:
-    """The machine's CPU use and one thread's run-queue waits from :meth:`start` to :meth:`summary`."""
+    """The machine's CPU use and one thread's run-queue waits from :meth:`start` to :meth:`stop` (or, until
+    then, to each :meth:`summary`)."""
 
     def __init__(self):
         self._t0 = 0.0
         self._cpu0: Optional[Tuple[float, float, float]] = None
         self._tid: Optional[int] = None
         self._thread0: Optional[Tuple[float, float]] = None
+        self._end: Optional[tuple] = None   # (time, cpu_times, thread_schedstat) at stop()
 
     def start(self, tid: Optional[int] = None) -> "LoadMeter":
         """Start measuring now; ``tid``: the native id of the thread whose waits to measure (None: none)."""
@@ -59,23 +61,31 @@ class LoadMeter:
         self._cpu0 = cpu_times()
         self._tid = tid
         self._thread0 = thread_schedstat(tid) if tid is not None else None
+        self._end = None
         return self
 
+    def _now(self) -> tuple:
+        return (time.monotonic(), cpu_times(), thread_schedstat(self._tid) if self._thread0 is not None else None)
+
+    def stop(self) -> None:
+        """End the measurement now (a run's end, before its drain and reports); later summaries read it."""
+        if self._end is None:
+            self._end = self._now()
+
     def summary(self) -> Dict[str, Optional[float]]:
-        """Since :meth:`start`: ``cores``; ``wall_s``; ``busy_fraction`` and ``steal_fraction`` of all cores'
+        """From :meth:`start` to :meth:`stop` (or now): ``cores``; ``wall_s``; ``busy_fraction`` and ``steal_fraction`` of all cores'
         time; ``thread_cpu_fraction`` (of one core) and ``thread_waiting_fraction`` (of the wall time: ready but
         not running) of the measured thread. None where not measured."""
-        wall = time.monotonic() - self._t0
+        t1, now, thread = self._end if self._end is not None else self._now()
+        wall = t1 - self._t0
         out: Dict[str, Optional[float]] = {"cores": os.cpu_count(), "wall_s": round(wall, 3), "busy_fraction": None,
                                            "steal_fraction": None, "thread_cpu_fraction": None,
                                            "thread_waiting_fraction": None}
-        now = cpu_times()
         if self._cpu0 is not None and now is not None:
             busy, idle, steal = (b - a for a, b in zip(self._cpu0, now))
             total = busy + idle + steal
             if total > 0:
                 out["busy_fraction"], out["steal_fraction"] = busy / total, steal / total
-        thread = thread_schedstat(self._tid) if self._thread0 is not None else None
         if thread is not None and wall > 0:
             out["thread_cpu_fraction"] = (thread[0] - self._thread0[0]) / wall
             out["thread_waiting_fraction"] = (thread[1] - self._thread0[1]) / wall

@@ -71,3 +71,21 @@ def test_describe_says_when_nothing_was_measured():
             "thread_waiting_fraction": None}
     assert describe(none) == "machine load not measured (no /proc)"
     assert thread_schedstat(2 ** 30) is None          # no such thread: None, not an exception
+
+
+@linux_only
+def test_a_stopped_meter_reports_the_run_up_to_its_stop_not_what_came_after():
+    def spin(seconds):
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < seconds:
+            pass
+
+    meter = LoadMeter().start(threading.get_native_id())
+    spin(0.15)
+    meter.stop()
+    first = meter.summary()
+    spin(0.3)                                   # after the stop: not counted
+    time.sleep(0.1)
+    again = meter.summary()
+    assert again == first
+    assert first["thread_cpu_fraction"] * first["wall_s"] == pytest.approx(0.15, abs=0.03)
