@@ -3,7 +3,6 @@
 thread starts on itself (``Graph.load``)."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 
