@@ -75,10 +75,7 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True,
         wall = time.monotonic() - t0
         cpu1 = {k: _cpu_s(p) for k, p in pids.items()}
         load1 = os.getloadavg()
-        if graph.load is not None:
-            graph.load.stop()          # the run itself, not the drain after it
-        machine = graph.load.summary() if graph.load is not None else {}
-        stop_sources(graph)
+        stop_sources(graph)            # also ends the load meter's measurement: the run's, not the drain's
         delivered = drain(graph, 30.0)
         drops = graph.drops()
         robot = graph.robot_stats()
@@ -118,7 +115,7 @@ def run(duration_s: float = 300.0, out: Path = OUT, robot_process: bool = True,
             "cpu_cores": {k: round((cpu1[k] - cpu0[k]) / wall, 3) for k in pids},
             "loadavg_start": load0, "loadavg_end": load1, "cpu_count": os.cpu_count(),
             # the cores' busy / stolen time and the executor thread's waits for a CPU (tensegrity_ros.machine_load)
-            "machine": machine,
+            "machine": graph.load.summary() if graph.load is not None else {},
         }
     finally:
         graph.shutdown()

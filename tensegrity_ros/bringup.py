@@ -1007,7 +1007,10 @@ def drain(graph: Graph, timeout_s: float = 15.0, settle_s: float = 0.5) -> bool:
 
 def stop_sources(graph: Graph) -> None:
     """Stop the streams at their sources (simulation thread, driver loop), keep the executor spinning so
-    queued messages are delivered (used before counting drops)."""
+    queued messages are delivered (used before counting drops). The run ends here: the load meter too (its
+    figures are the run's, not the drain's and the reports' after it)."""
+    if graph.load is not None:
+        graph.load.stop()
     if graph.robot is not None:
         graph.robot.stop()
     sim = graph.nodes.get("sim_robot")

@@ -49,46 +49,44 @@ class LoadMeter:
     then, to each :meth:`summary`)."""
 
     def __init__(self):
-        self._t0 = 0.0
-        self._cpu0: Optional[Tuple[float, float, float]] = None
         self._tid: Optional[int] = None
-        self._thread0: Optional[Tuple[float, float]] = None
-        self._end: Optional[tuple] = None   # (time, cpu_times, thread_schedstat) at stop()
+        self._begin: Optional[tuple] = None   # _sample() at start()
+        self._end: Optional[tuple] = None     # _sample() at stop()
+
+    def _sample(self) -> tuple:
+        """(monotonic time, cpu_times(), thread_schedstat(tid) or None)."""
+        return (time.monotonic(), cpu_times(), thread_schedstat(self._tid) if self._tid is not None else None)
 
     def start(self, tid: Optional[int] = None) -> "LoadMeter":
         """Start measuring now; ``tid``: the native id of the thread whose waits to measure (None: none)."""
-        self._t0 = time.monotonic()
-        self._cpu0 = cpu_times()
         self._tid = tid
-        self._thread0 = thread_schedstat(tid) if tid is not None else None
-        self._end = None
+        self._begin, self._end = self._sample(), None
         return self
-
-    def _now(self) -> tuple:
-        return (time.monotonic(), cpu_times(), thread_schedstat(self._tid) if self._thread0 is not None else None)
 
     def stop(self) -> None:
         """End the measurement now (a run's end, before its drain and reports); later summaries read it."""
         if self._end is None:
-            self._end = self._now()
+            self._end = self._sample()
 
     def summary(self) -> Dict[str, Optional[float]]:
-        """From :meth:`start` to :meth:`stop` (or now): ``cores``; ``wall_s``; ``busy_fraction`` and ``steal_fraction`` of all cores'
-        time; ``thread_cpu_fraction`` (of one core) and ``thread_waiting_fraction`` (of the wall time: ready but
-        not running) of the measured thread. None where not measured."""
-        t1, now, thread = self._end if self._end is not None else self._now()
-        wall = t1 - self._t0
+        """From :meth:`start` to :meth:`stop` (or now): ``cores``; ``wall_s``; ``busy_fraction`` and
+        ``steal_fraction`` of all cores' time; ``thread_cpu_fraction`` (of one core) and
+        ``thread_waiting_fraction`` (of the wall time: ready but not running) of the measured thread. None where
+        not measured."""
+        t0, cpu0, thread0 = self._begin
+        t1, cpu1, thread1 = self._end if self._end is not None else self._sample()
+        wall = t1 - t0
         out: Dict[str, Optional[float]] = {"cores": os.cpu_count(), "wall_s": round(wall, 3), "busy_fraction": None,
                                            "steal_fraction": None, "thread_cpu_fraction": None,
                                            "thread_waiting_fraction": None}
-        if self._cpu0 is not None and now is not None:
-            busy, idle, steal = (b - a for a, b in zip(self._cpu0, now))
+        if cpu0 is not None and cpu1 is not None:
+            busy, idle, steal = (b - a for a, b in zip(cpu0, cpu1))
             total = busy + idle + steal
             if total > 0:
                 out["busy_fraction"], out["steal_fraction"] = busy / total, steal / total
-        if thread is not None and wall > 0:
-            out["thread_cpu_fraction"] = (thread[0] - self._thread0[0]) / wall
-            out["thread_waiting_fraction"] = (thread[1] - self._thread0[1]) / wall
+        if thread0 is not None and thread1 is not None and wall > 0:
+            out["thread_cpu_fraction"] = (thread1[0] - thread0[0]) / wall
+            out["thread_waiting_fraction"] = (thread1[1] - thread0[1]) / wall
         return out
 
 

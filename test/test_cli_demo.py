@@ -36,14 +36,14 @@ def test_short_demo_ends_with_its_verdict_and_matching_exit_code(tmp_path):
     lost, never = summary["lost_messages"], summary["not_produced_messages"]
     assert isinstance(lost, int) and isinstance(never, int) and lost + never >= summary["dropped_messages"] >= 0
     assert any(f"({lost} lost between nodes, {never} never produced by the sources)" in x for x in lines), lines[-12:]
-    # the priorities --realtime asked for, each done or refused with how to allow it: the state predictor on a
-    # SCHED_FIFO executor thread of its own, the simulated robot's simulation thread SCHED_FIFO above it
     # the machine's load during the run, printed before the health lines: context for the latency figure
     machine = summary["machine"]
     assert machine["cores"] == os.cpu_count() and 10.0 < machine["wall_s"] < 200.0
     if machine["busy_fraction"] is not None:            # Linux: /proc/stat
         assert 0.0 < machine["busy_fraction"] <= 1.0 and 0.0 <= machine["steal_fraction"] < 1.0
         assert any(x.startswith("machine during the run: ") and "% busy" in x for x in lines), lines[-14:]
+    # the priorities --realtime asked for, each done or refused with how to allow it: the state predictor on a
+    # SCHED_FIFO executor thread of its own, the simulated robot's simulation thread SCHED_FIFO above it
     rt, sim = summary["priorities"]["realtime_executor"], summary["priorities"]["simulation_thread"]
     assert rt["nodes"] == ["state_predictor"]
     for got, prio in ((rt, 10), (sim, 20)):

@@ -17,7 +17,7 @@ linux_only = pytest.mark.skipif(cpu_times() is None or thread_schedstat(threadin
                                 reason="no /proc/stat or per-thread schedstat here")
 
 
-def _hash_for(seconds: float, box: dict, meter_box: dict, cpu: int) -> None:
+def _hash_for(seconds: float, meter_box: dict, cpu: int) -> None:
     """The measured thread: pinned to ``cpu``, hashing (C code, the GIL released) for ``seconds`` of wall time."""
     os.sched_setaffinity(0, {cpu})            # Linux: the calling thread only
     meter = LoadMeter().start(threading.get_native_id())
@@ -26,7 +26,6 @@ def _hash_for(seconds: float, box: dict, meter_box: dict, cpu: int) -> None:
     while time.monotonic() - t0 < seconds:
         hashlib.sha256(data).digest()
     meter_box["summary"] = meter.summary()
-    box["done"] = True
 
 
 @linux_only
@@ -36,8 +35,8 @@ def test_a_thread_that_shares_its_cpu_with_a_spinning_process_is_measured_waitin
                                 "while True: pass"])
     try:
         time.sleep(0.3)                       # the spinner is running before the measurement starts
-        box, meter_box = {}, {}
-        t = threading.Thread(target=_hash_for, args=(1.5, box, meter_box, cpu))
+        meter_box = {}
+        t = threading.Thread(target=_hash_for, args=(1.5, meter_box, cpu))
         t.start()
         t.join(60)
     finally:

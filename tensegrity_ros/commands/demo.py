@@ -308,8 +308,6 @@ def run(args) -> int:
             history.append(vals)
             progress.line(text)
         duration = time.monotonic() - t0
-        if graph.load is not None:
-            graph.load.stop()          # the run's load, not the drain's and the reports' after it
         stop_sources(graph)
         drained = drain(graph, 20.0)
         text, vals = status_line(graph, truth, est_names, t0_ros, duration, nominal_err)

@@ -530,12 +530,12 @@ def update_options(p: Mapping[str, object], nominal_params, first: bool = False)
         (("refine",) if p["stage2_iterations"] > 0 else ())
     prior_std = {k: float(v) for k, v in zip(("stiffness", "damping", "mass", "rest_length"), p["prior_std"])
                  if v > 0}
-    windows = p["first_update_windows"] if first else p["stage2_max_windows"]
+    iterations, max_s, windows, window_s = (
+        (p["first_update_iterations"], p["first_update_max_s"], p["first_update_windows"], p["first_update_window_s"])
+        if first else (p["stage2_iterations"], p["max_update_s"], p["stage2_max_windows"], p["stage2_window_s"]))
     options = pipeline.IdentifyOptions.from_flat(
-        estimate=tuple(p["estimate"]), window_s=p["first_update_window_s"] if first else p["stage2_window_s"],
-        max_windows=windows,
-        max_iter=max(1, p["first_update_iterations"] if first else p["stage2_iterations"]),
-        max_time_s=p["first_update_max_s"] if first else p["max_update_s"], delay_s=p["delay_s"],
+        estimate=tuple(p["estimate"]), window_s=window_s, max_windows=windows, max_iter=max(1, iterations),
+        max_time_s=max_s, delay_s=p["delay_s"],
         noise_std_m=p["noise_std_m"] or None, device=p["device"], num_threads=p["torch_threads"],
         # the covariance costs one more Jacobian: half the windows (information scaled up) keeps updates short
         covariance_windows=max(1, windows // 2), prior_std=prior_std,
