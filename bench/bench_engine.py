@@ -43,10 +43,13 @@ DT = 1e-3
 #: structure -> integrators measured; the first is the headline (top-level keys), the others nest under their name
 STRUCTURES = {"icosahedron": ("semi_implicit",), "stacked_manipulator": ("semi_implicit", "implicit")}
 #: compiled path without gradients: run big batches in pieces of this size (measured: the manipulator's working
-#: set at 1024 spills the cache; 128 is ~1.8x faster per item here); None: whole batch. Not with gradients: each
+#: set at 1024 spills the cache; 128 was ~1.8x faster per item until stop 48; with the chord matrix inverted by
+#: blocks and the outputs written inside the compiled graph, 2026-12-02, 2 threads, interleaved in one process:
+#: 64 / 128 / 256 / 512 / 1024 -> 300 / 427-434 / 491-550 / 473 / 459 k item-steps/s); None: whole batch (the
+#: icosahedron: 256 / 512 / 1024 -> 0.96 / 0.88 / 1.28 M). Not with gradients: each
 #: piece then keeps an autograd graph of its own, and whole batches were faster (2026-11-27, manipulator at 1024:
 #: 85-106 k item-steps/s whole, 58 k in pieces of 128, eager 32-37 k)
-SUB_BATCH = {"icosahedron": None, "stacked_manipulator": 128}
+SUB_BATCH = {"icosahedron": None, "stacked_manipulator": 256}
 #: not measured unless asked for: the manipulator's implicit step compiled with its backward (first call 653 s at
 #: batch 1 on this 2-core machine, 2026-11-26, and 234 item-steps/s against eager's 433), and its 8-step chunk.
 #: The default of run() too, so that `make bench` (run_all) skips them as the command line does

@@ -117,3 +117,43 @@ def test_one_prepare_for_both_layouts():
     ps = stack_params([p, p])
     for name in laws.Derived.RANKS:
         assert torch.equal(getattr(fast.prepare_fast(c, ps), name), getattr(laws.prepare(c, ps), name).movedim(0, -1))
+
+
+def _chord_structures():
+    """Every structure file of config/models and the generality suite's (independent.SUITE): fixed nodes,
+    coincident nodes between stages, composite strings."""
+    from tensegrity_ros.validation.independent import SUITE, load_suite_structure
+    from tensegrity_ros.model import load_structure
+    files = sorted((ROOT / "config" / "models").glob("*.yaml"))
+    return [(f.stem, lambda f=f: load_structure(f)) for f in files] + [(n, lambda n=n: load_suite_structure(n))
+                                                                    for n in SUITE]
+
+
+@pytest.mark.parametrize("name,load", _chord_structures(), ids=lambda v: v if isinstance(v, str) else "")
+def test_chord_inverse_by_blocks_is_the_dense_inverse(name, load):
+    """Topology.chord_blocks: the bar-constraint matrix A = G_c * (D^T D) is zero between blocks for any masses
+    and bar directions (so its inverse is too), and laws.chord_inverse, one block at a time, equals LAPACK's
+    dense inverse in both layouts."""
+    eng = make_engine(load())
+    c = eng.constants
+    nba = c.Cb_q.shape[0]
+    blocks = eng.topology.chord_blocks
+    assert sorted(int(i) for b in blocks for i in b) == list(range(nba))
+    if name == "stacked_manipulator":              # the sparsity the compiled step's speed relies on
+        assert sorted(len(b) for b in blocks) == [1, 1, 1, 6, 9]
+    g = torch.Generator().manual_seed(5)
+    p = eng.default_params()
+    p = p.replace(mass=p.mass * (0.5 + torch.rand(p.mass.shape, generator=g, dtype=torch.float64)))
+    d = torch.randn(4, 3, nba, generator=g, dtype=torch.float64)
+    ref = BatchFirst()
+    A = laws.chord_matrix(ref, laws.prepare(c, p), d)
+    dense = torch.linalg.inv(A)
+    inside = torch.zeros(nba, nba, dtype=torch.bool)
+    for b in blocks:
+        inside[torch.as_tensor(b).unsqueeze(-1), torch.as_tensor(b)] = True
+    scale = dense.abs().max()
+    assert float(A.masked_fill(inside, 0.0).abs().max()) == 0.0
+    assert float(dense.masked_fill(inside, 0.0).abs().max()) < 1e-12 * float(scale)
+    torch.testing.assert_close(laws.chord_inverse(ref, c, A), dense, rtol=1e-10, atol=1e-10 * float(scale))
+    torch.testing.assert_close(laws.chord_inverse(fast.LAYOUT, c, A.movedim(0, -1)), dense.movedim(0, -1),
+                               rtol=1e-10, atol=1e-10 * float(scale))

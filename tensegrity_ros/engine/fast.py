@@ -12,9 +12,10 @@ last by :meth:`.laws.Derived.batch_last`), the string law (rest lengths from the
 stiffness, damping, the tension-only clamp), the generalised forces, the bar-constraint multipliers with
 Baumgarte terms, the projection, the implicit step and the step loop (:func:`.laws.steps`). This module
 adds only the layout (:class:`BatchLast`): the gather products, and SPD solvers unrolled into elementwise
-updates over the batch (Gauss-Jordan for the bar matrix, a left-looking Cholesky for the implicit step),
-because a LAPACK call per batch item does not fuse into inductor's loops; plus the layout conversions and
-the chunked, compiled rollout driver.
+updates over the batch (Gauss-Jordan for the bar matrix, one diagonal block at a time, the blocks of one size
+as one batch; a left-looking Cholesky for the implicit step), because a LAPACK call per batch item does not
+fuse into inductor's loops; plus the layout conversions and the chunked, compiled rollout driver, whose graph
+writes the full-layout outputs itself (:func:`steps_full`).
 
 Used by ``NodalEngine.rollout(..., compile=True)`` and ``NodalEngine.compiled_step``; tested equal to the
 reference layout (float64: 1e-12).
@@ -185,6 +186,17 @@ class BatchLast(laws.Layout):
     def inverse(self, A):
         return _inverse(A)
 
+    def block_inverse(self, A, groups, assemble):
+        B = A.shape[-1]
+        parts = []
+        for g in groups:                                                  # blocks of one size m, as one batch
+            n_blocks, m = g.shape
+            sub = A[g.unsqueeze(-1), g.unsqueeze(-2)]                     # (n_blocks, m, m, B)
+            inv = _inverse(sub.permute(1, 2, 0, 3).reshape(m, m, n_blocks * B))
+            parts.append(inv.reshape(m, m, n_blocks, B).permute(2, 0, 1, 3).reshape(n_blocks * m * m, B))
+        parts.append(A.new_zeros(1, B))
+        return torch.cat(parts)[assemble].reshape(A.shape)
+
     def cholesky(self, K):
         return _cholesky(K)
 
@@ -207,16 +219,28 @@ def step(c: NodalConstants, der: laws.Derived, Q, V, u, udot, fext, dt: float, i
 
 def steps(c: NodalConstants, der: laws.Derived, Q, V, u, udot, fext, dt: float, integrator: str, opts: Options,
           K: int):
-    """K steps (the graph torch.compile sees, one per chunk length K). u, udot: (K, A, B) or None; fext:
-    (K, 3, n_free, B) or None. Returns Qs, Vs (K, 3, n_free, B)."""
+    """K steps. u, udot: (K, A, B) or None; fext: (K, 3, n_free, B) or None. Returns Qs, Vs (K, 3, n_free, B)."""
     return laws.steps(LAYOUT, c, der, Q, V, u, udot, fext, dt, integrator, opts, K)
+
+
+def steps_full(c: NodalConstants, der: laws.Derived, Q, V, u, udot, fext, dt: float, integrator: str,
+               opts: Options, K: int):
+    """K steps (the graph torch.compile sees, one per chunk length K): the last reduced state Q, V
+    (3, n_free, B), for the next chunk, and every step's full positions and velocities (K, B, N, 3), contiguous.
+
+    Why the full layout inside the graph: converted outside it (a gather, then a transposed copy per rollout
+    or sub-batch), the conversion took longer than the steps themselves (manipulator, batch 128, 50 steps, one
+    thread, 2026-12-02: 16.8 ms of 26.8; the compiled steps 10.0 ms). Inside, inductor writes the outputs in
+    their final layout in the loops that compute them."""
+    Qs, Vs = steps(c, der, Q, V, u, udot, fext, dt, integrator, opts, K)
+    return Qs[-1], Vs[-1], from_fast_positions(c, Qs).contiguous(), from_fast_velocities(c, Vs).contiguous()
 
 
 _COMPILED = {}
 
 
 def compiled(name: str):
-    """The torch.compile'd version of :func:`steps` (memoised; dynamo guards on shapes, dtype and K).
+    """The torch.compile'd version of :func:`steps_full` (memoised; dynamo guards on shapes, dtype and K).
 
     Guards on globals are left out (``skip_guard_on_globals_unsafe``): the graph reads no global data, only
     the engine's module-level functions, classes and :data:`LAYOUT`, which never change at run time, and
@@ -228,7 +252,7 @@ def compiled(name: str):
     if fn is None:
         from ._common import setup_compile
         setup_compile()
-        fn = torch.compile({"steps": steps}[name], dynamic=False,
+        fn = torch.compile({"steps_full": steps_full}[name], dynamic=False,
                            options={"guard_filter_fn": torch.compiler.skip_guard_on_globals_unsafe})
         _COMPILED[name] = fn
     return fn
@@ -239,19 +263,32 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
             sub_batch: Optional[int] = None):
     """n steps from full node positions/velocities (B, N, 3); inputs time-major (T, B, ...) or None.
     Returns positions, velocities (n, B, N, 3). Runs ``chunk`` steps per compiled call; ``sub_batch`` splits a
-    large batch into pieces of at most that size run one after the other (keeps the working set in cache)."""
+    large batch into pieces of at most that size run one after the other (keeps the working set in cache),
+    each written into its slice of the outputs."""
     B = max(X0.shape[0], params.mass.shape[0] if params.mass.dim() == 2 else 1)
     X0, V0 = X0.expand(B, *X0.shape[1:]), V0.expand(B, *V0.shape[1:])
-    if sub_batch is not None and B > sub_batch:
-        def part(x, sl, dim):
-            return x if x is None or x.dim() <= dim or x.shape[dim] != B else x[(slice(None),) * dim + (sl,)]
-        outs = []
-        for b0 in range(0, B, sub_batch):
-            sl = slice(b0, min(B, b0 + sub_batch))
-            p = params.map(lambda t: t[sl] if t.dim() >= 1 and params.mass.dim() == 2 and t.shape[0] == B else t)
-            outs.append(rollout(c, p, X0[sl], V0[sl], part(u, sl, 1), part(udot, sl, 1), part(fext, sl, 1), n, dt,
-                                integrator, opts, chunk, compile))
-        return torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 1)
+    if sub_batch is None or B <= sub_batch:
+        return _rollout(c, params, X0, V0, u, udot, fext, n, dt, integrator, opts, chunk, compile)
+
+    def part(x, sl, dim):
+        return x if x is None or x.dim() <= dim or x.shape[dim] != B else x[(slice(None),) * dim + (sl,)]
+
+    X = V = None
+    for b0 in range(0, B, sub_batch):
+        sl = slice(b0, min(B, b0 + sub_batch))
+        p = params.map(lambda t: t[sl] if t.dim() >= 1 and params.mass.dim() == 2 and t.shape[0] == B else t)
+        x, v = _rollout(c, p, X0[sl], V0[sl], part(u, sl, 1), part(udot, sl, 1), part(fext, sl, 1), n, dt,
+                        integrator, opts, chunk, compile)
+        if X is None:
+            X, V = x.new_empty((n, B) + x.shape[2:]), v.new_empty((n, B) + v.shape[2:])
+        X[:, sl], V[:, sl] = x, v
+    return X, V
+
+
+def _rollout(c: NodalConstants, params: Params, X0, V0, u, udot, fext, n: int, dt: float, integrator: str,
+             opts: Options, chunk: int, compile: bool):
+    """:func:`rollout` for one piece of the batch."""
+    B = X0.shape[0]
     der = prepare_fast(c, params)
     Q, V = to_fast(c, X0), to_fast(c, V0)
     u, udot, fq = inputs_to_fast(c, u, udot, fext, B)
@@ -264,17 +301,17 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
         return torch.cat((x, x[-1:].expand(pad, *x.shape[1:])))
 
     u, udot, fq = padded(u), padded(udot), padded(fq)
-    fn = compiled("steps") if compile else steps
-    Qs, Vs = [], []
+    fn = compiled("steps_full") if compile else steps_full
+    Xs, Vs = [], []
     for k0 in range(0, n + pad, K):
         sl = slice(k0, k0 + K)
-        q, v = fn(c, der, Q, V, None if u is None else u[sl], None if udot is None else udot[sl],
-                  None if fq is None else fq[sl], dt, integrator, opts, K)
-        Q, V = q[-1], v[-1]
-        Qs.append(q)
+        Q, V, x, v = fn(c, der, Q, V, None if u is None else u[sl], None if udot is None else udot[sl],
+                        None if fq is None else fq[sl], dt, integrator, opts, K)
+        Xs.append(x)
         Vs.append(v)
-    Qs, Vs = torch.cat(Qs)[:n], torch.cat(Vs)[:n]
-    return from_fast_positions(c, Qs), from_fast_velocities(c, Vs)
+    if len(Xs) == 1 and pad == 0:
+        return Xs[0], Vs[0]
+    return torch.cat(Xs)[:n], torch.cat(Vs)[:n]
 
 
 # ---- layout conversion -------------------------------------------------------------------------------

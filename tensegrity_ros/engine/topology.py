@@ -134,6 +134,46 @@ class Topology:
         """Indices of bars whose length constraint involves a free node (others are welded to the world)."""
         return np.flatnonzero(np.abs(self.Cb_q).sum(axis=1) > 0)
 
+    @property
+    def chord_blocks(self) -> Tuple[np.ndarray, ...]:
+        """The bar-constraint (chord) matrix's diagonal blocks: the active bars (indices into
+        :attr:`active_bars`) grouped so that no two groups couple.
+
+        The chord matrix A = (C_b T) M_q^-1 (C_b T)^T * (D^T D) couples two bars only through M_q^-1, and M_q^-1
+        is block-diagonal over the connected components of M_q's pattern (free nodes joined by a bar's mass or
+        by one bar's constraint). So the bars that touch one such component form one block of A, and A^-1 is
+        the block-diagonal of the blocks' inverses: in a stack of class-1 modules (no two bars of a module share
+        a node) most blocks are single bars or the bars joined at one stage. Found from the patterns alone (no
+        mass values), so it holds for every parameter set. Ordered by bar index within a block and by first
+        bar across blocks."""
+        act = self.active_bars
+        Cb = np.abs(self.Cb_q[act]) > 0                                   # (nba, n_free)
+        adj = (np.abs(self.E_q).sum(axis=0) > 0) | ((Cb.T.astype(int) @ Cb.astype(int)) > 0)
+        label = _components(adj)
+        bar_label = [label[np.flatnonzero(row)[0]] for row in Cb]
+        groups: Dict[int, list] = {}
+        for b, lab in enumerate(bar_label):
+            groups.setdefault(lab, []).append(b)
+        return tuple(np.array(g, dtype=np.int64) for g in sorted(groups.values(), key=lambda g: g[0]))
+
+
+def _components(adj: np.ndarray) -> np.ndarray:
+    """Connected-component label of each vertex of the symmetric boolean adjacency ``adj`` (n, n)."""
+    n = adj.shape[0]
+    label = np.full(n, -1, dtype=np.int64)
+    for start in range(n):
+        if label[start] >= 0:
+            continue
+        label[start] = start
+        todo = [start]
+        while todo:
+            v = todo.pop()
+            for w in np.flatnonzero(adj[v]):
+                if label[w] < 0:
+                    label[w] = start
+                    todo.append(w)
+    return label
+
 
 def _resolve_nodes(s: Structure):
     """Express every node as (coefficients over free nodes, constant position)."""
