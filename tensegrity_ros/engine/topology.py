@@ -142,10 +142,9 @@ class Topology:
         The chord matrix A = (C_b T) M_q^-1 (C_b T)^T * (D^T D) couples two bars only through M_q^-1, and M_q^-1
         is block-diagonal over the connected components of M_q's pattern (free nodes joined by a bar's mass or
         by one bar's constraint). So the bars that touch one such component form one block of A, and A^-1 is
-        the block-diagonal of the blocks' inverses: in a stack of class-1 modules (no two bars of a module share
-        a node) most blocks are single bars or the bars joined at one stage. Found from the patterns alone (no
-        mass values), so it holds for every parameter set. Ordered by bar index within a block and by first
-        bar across blocks."""
+        the block-diagonal of the blocks' inverses (the manipulator's 18 bars: blocks of 9, 6, 1, 1 and 1; the
+        icosahedron's 6 bars: six of one). Found from the patterns alone (no mass values), so it holds for
+        every parameter set. Ordered by bar index within a block and by first bar across blocks."""
         act = self.active_bars
         Cb = np.abs(self.Cb_q[act]) > 0                                   # (nba, n_free)
         adj = (np.abs(self.E_q).sum(axis=0) > 0) | ((Cb.T.astype(int) @ Cb.astype(int)) > 0)
