@@ -239,8 +239,9 @@ def steps_full(c: NodalConstants, der: laws.Derived, Q, V, u, udot, fext, dt: fl
 _COMPILED = {}
 
 
-def compiled(name: str):
-    """The torch.compile'd version of :func:`steps_full` (memoised; dynamo guards on shapes, dtype and K).
+def compiled(name: str, device_type: str = "cpu"):
+    """The torch.compile'd version of :func:`steps_full` for tensors on ``device_type`` (memoised; dynamo guards
+    on shapes, dtype and K).
 
     Guards on globals are left out (``skip_guard_on_globals_unsafe``): the graph reads no global data, only
     the engine's module-level functions, classes and :data:`LAYOUT`, which never change at run time, and
@@ -252,16 +253,18 @@ def compiled(name: str):
     per-call cost where it dominates (the manipulator's 1-s horizon at batch 1 in 8-step chunks, one thread,
     2026-12-02, alternated with the Python wrapper in separate processes: 48.5 / 46.4 ms against 75.2 / 59.0;
     the icosahedron's 23.1 / 21.5 against 29.0 / 29.0; batch 1024 within the machine's spread, the icosahedron's
-    1.88-1.99 M against 1.54-1.58 M item-steps/s). It also releases the GIL while the kernels run.
+    1.88-1.99 M against 1.54-1.58 M item-steps/s). It also releases the GIL while the kernels run. CPU only:
+    on CUDA it has not been measured (no GPU lent since), so the Python wrapper of stop 28's GPU figures stays.
     """
-    fn = _COMPILED.get(name)
+    key = (name, device_type)
+    fn = _COMPILED.get(key)
     if fn is None:
         from ._common import setup_compile
         setup_compile()
         fn = torch.compile({"steps_full": steps_full}[name], dynamic=False,
                            options={"guard_filter_fn": torch.compiler.skip_guard_on_globals_unsafe,
-                                    "cpp_wrapper": True})
-        _COMPILED[name] = fn
+                                    "cpp_wrapper": device_type == "cpu"})
+        _COMPILED[key] = fn
     return fn
 
 
@@ -308,7 +311,7 @@ def _rollout(c: NodalConstants, params: Params, X0, V0, u, udot, fext, n: int, d
         return torch.cat((x, x[-1:].expand(pad, *x.shape[1:])))
 
     u, udot, fq = padded(u), padded(udot), padded(fq)
-    fn = compiled("steps_full") if compile else steps_full
+    fn = compiled("steps_full", X0.device.type) if compile else steps_full
     Xs, Vs = [], []
     for k0 in range(0, n + pad, K):
         sl = slice(k0, k0 + K)
