@@ -145,33 +145,15 @@ class Topology:
         the block-diagonal of the blocks' inverses (the manipulator's 18 bars: blocks of 9, 6, 1, 1 and 1; the
         icosahedron's 6 bars: six of one). Found from the patterns alone (no mass values), so it holds for
         every parameter set. Ordered by bar index within a block and by first bar across blocks."""
-        act = self.active_bars
-        Cb = np.abs(self.Cb_q[act]) > 0                                   # (nba, n_free)
+        from scipy.sparse.csgraph import connected_components
+        Cb = np.abs(self.Cb_q[self.active_bars]) > 0                      # (nba, n_free)
+        if Cb.shape[0] == 0:
+            return ()
         adj = (np.abs(self.E_q).sum(axis=0) > 0) | ((Cb.T.astype(int) @ Cb.astype(int)) > 0)
-        label = _components(adj)
-        bar_label = [label[np.flatnonzero(row)[0]] for row in Cb]
-        groups: Dict[int, list] = {}
-        for b, lab in enumerate(bar_label):
-            groups.setdefault(lab, []).append(b)
-        return tuple(np.array(g, dtype=np.int64) for g in sorted(groups.values(), key=lambda g: g[0]))
-
-
-def _components(adj: np.ndarray) -> np.ndarray:
-    """Connected-component label of each vertex of the symmetric boolean adjacency ``adj`` (n, n)."""
-    n = adj.shape[0]
-    label = np.full(n, -1, dtype=np.int64)
-    for start in range(n):
-        if label[start] >= 0:
-            continue
-        label[start] = start
-        todo = [start]
-        while todo:
-            v = todo.pop()
-            for w in np.flatnonzero(adj[v]):
-                if label[w] < 0:
-                    label[w] = start
-                    todo.append(w)
-    return label
+        _, node_label = connected_components(adj, directed=False)
+        bar_label = node_label[Cb.argmax(axis=1)]                           # a bar's free nodes share a label
+        _, first = np.unique(bar_label, return_index=True)
+        return tuple(np.flatnonzero(bar_label == bar_label[b]) for b in sorted(first))
 
 
 def _resolve_nodes(s: Structure):
