@@ -299,3 +299,73 @@ def test_compiled_paths_match_eager():
     for t in range(4):
         st = step(p, st, inputs[t], 0.01)
     torch.testing.assert_close(st.positions, ref.positions[-1], rtol=0, atol=1e-12)
+
+
+def test_compiled_rollout_runs_pieces_on_threads(monkeypatch):
+    """With more than one torch thread and no gradient, the compiled rollout splits the batch into pieces run one
+    per thread (serial code in each, ``fast.batch_pieces``): per-item parameters, inputs and external forces
+    land in their items (== the eager reference, float64, 1e-12), the pieces ran on two threads; with a gradient
+    they run in turn on the calling thread; an error in a piece reaches the caller."""
+    import threading
+
+    from tensegrity_ros.engine import fast
+    s = small_structure()
+    eng = make_engine(s)
+    B, T = 70, 5
+    torch.manual_seed(11)
+    p = eng.default_params()
+    hyps = p.map(lambda t: t.expand(B, *t.shape).clone())
+    hyps = hyps.replace(mass=hyps.mass * (1 + 0.2 * torch.rand(B, 1, dtype=torch.float64)))
+    u, ud = _motor_inputs(T, 2)
+    u = u + 0.1 * torch.randn(T, B, 2, dtype=torch.float64)
+    fe = torch.randn(T, B, len(s.nodes), 3, dtype=torch.float64)
+    inputs = Inputs(motor_angles=u, motor_velocities=ud.expand(T, B, 2), external_forces=fe)
+    s0 = eng.initial_state(batch=B)
+    ref = eng.rollout(hyps, s0, inputs, 0.01)
+    # the split: equal pieces, a multiple of the threads, none under the least work a thread gets
+    assert [(sl.start, sl.stop) for sl in fast.batch_pieces(1024, 256, 2, 228)[0]] == \
+        [(0, 256), (256, 512), (512, 768), (768, 1024)]
+    assert fast.batch_pieces(1024, None, 2, 342)[1] == 2 and len(fast.batch_pieces(1024, None, 2, 342)[0]) == 2
+    assert fast.batch_pieces(256, None, 2, 342) == ([slice(0, 256)], 1)       # too small to share: one thread
+    assert fast.batch_pieces(1024, 256, 1, 228) == ([slice(0, 256), slice(256, 512), slice(512, 768),
+                                                     slice(768, 1024)], 1)
+    monkeypatch.setattr(fast, "THREAD_PIECE_WORK", 35 * eng.constants.free_idx.numel())   # this batch: 2 x 35
+
+    calls = []
+    real = fast._rollout
+
+    def spy(*a, **kw):
+        calls.append((threading.get_ident(), a[-2] if len(a) > 13 else False))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(fast, "_rollout", spy)
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            out = eng.rollout(hyps, s0, inputs, 0.01, compile=True)
+        torch.testing.assert_close(out.positions, ref.positions, rtol=0, atol=1e-12)
+        torch.testing.assert_close(out.velocities, ref.velocities, rtol=0, atol=1e-11)
+        assert len(calls) == 2 and all(serial for _, serial in calls), calls
+        assert len({tid for tid, _ in calls}) == 2, "both pieces ran on one thread"
+
+        calls.clear()                                  # with a gradient: one piece (B / sub_batch), in turn
+        k = hyps.stiffness.clone().requires_grad_(True)
+        out = eng.rollout(hyps.replace(stiffness=k), s0, inputs, 0.01, compile=True, sub_batch=35)
+        torch.testing.assert_close(out.positions.detach(), ref.positions, rtol=0, atol=1e-12)
+        assert len(calls) == 2 and not any(serial for _, serial in calls)
+        assert {tid for tid, _ in calls} == {threading.get_ident()}
+
+        started = []
+
+        def failing(*a, **kw):                         # the second piece fails, whichever thread took it
+            started.append(1)
+            if len(started) == 2:
+                raise RuntimeError("piece failed")
+            return real(*a, **kw)
+
+        monkeypatch.setattr(fast, "_rollout", failing)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="piece failed"):
+            eng.rollout(hyps, s0, inputs, 0.01, compile=True)
+    finally:
+        torch.set_num_threads(n)

@@ -22,6 +22,8 @@ reference layout (float64: 1e-12).
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -239,9 +241,10 @@ def steps_full(c: NodalConstants, der: laws.Derived, Q, V, u, udot, fext, dt: fl
 _COMPILED = {}
 
 
-def compiled(name: str, device_type: str = "cpu"):
+def compiled(name: str, device_type: str = "cpu", serial: bool = False):
     """The torch.compile'd version of :func:`steps_full` for tensors on ``device_type`` (memoised; dynamo guards
-    on shapes, dtype and K).
+    on shapes, dtype and K). ``serial``: CPU code without OpenMP regions (``cpp.threads = 1``), for pieces of a
+    batch run one per thread (:func:`rollout`).
 
     Guards on globals are left out (``skip_guard_on_globals_unsafe``): the graph reads no global data, only
     the engine's module-level functions, classes and :data:`LAYOUT`, which never change at run time, and
@@ -256,16 +259,63 @@ def compiled(name: str, device_type: str = "cpu"):
     1.88-1.99 M against 1.54-1.58 M item-steps/s). It also releases the GIL while the kernels run. CPU only:
     on CUDA it has not been measured (no GPU lent since), so the Python wrapper of stop 28's GPU figures stays.
     """
-    key = (name, device_type)
+    key = (name, device_type, serial)
     fn = _COMPILED.get(key)
     if fn is None:
         from ._common import setup_compile
         setup_compile()
-        fn = torch.compile({"steps_full": steps_full}[name], dynamic=False,
-                           options={"guard_filter_fn": torch.compiler.skip_guard_on_globals_unsafe,
-                                    "cpp_wrapper": device_type == "cpu"})
+        options = {"guard_filter_fn": torch.compiler.skip_guard_on_globals_unsafe, "cpp_wrapper": device_type == "cpu"}
+        if serial:
+            options["cpp.threads"] = 1
+        fn = torch.compile({"steps_full": steps_full}[name], dynamic=False, options=options)
         _COMPILED[key] = fn
     return fn
+
+
+#: least work in a piece of the batch that gets a thread of its own (:func:`rollout`), in items x free nodes per
+#: compiled call: below it the pieces' per-call costs, serialised by the GIL, outweigh the second core. Measured
+#: (2026-12-03, this 2-core AMD EPYC, 100 steps, pieces on two threads against whole batches or pieces in turn on
+#: two OpenMP threads, 7 rounds interleaved, median): manipulator (18 free nodes) pieces of 32 items 327 k
+#: against 355 k item-steps/s, of 128 578 k against 516 k; icosahedron (12) pieces of 32 210 k against 670 k, of
+#: 128 1.27 M against 1.94 M, of 512 3.22 M against 2.15 M
+THREAD_PIECE_WORK = 4096
+
+_POOL: Optional[ThreadPoolExecutor] = None
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """The engine's threads for pieces of a batch (``workers`` of them; the calling thread is one more). Idle
+    between rollouts; a rollout waits for its pieces, so none is in flight after it returns."""
+    global _POOL
+    if _POOL is None or _POOL._max_workers != workers:
+        if _POOL is not None:
+            _POOL.shutdown(wait=False)
+        _POOL = ThreadPoolExecutor(workers, thread_name_prefix="engine-piece")
+    return _POOL
+
+
+def piece_threads(compile: bool, device_type: str, tensors) -> int:
+    """How many threads :func:`rollout` runs its pieces on: ``torch.get_num_threads()`` for a compiled rollout on
+    a CPU that no gradient is asked of (none of ``tensors`` requires one, or grad mode is off), else 1."""
+    if not compile or device_type != "cpu":
+        return 1
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return 1
+    return torch.get_num_threads()
+
+
+def batch_pieces(B: int, sub_batch: Optional[int], threads: int = 1, min_piece: int = 1):
+    """Slices of the batch for :func:`rollout`, of equal size but the last (one graph), and how many threads run
+    them. At most ``sub_batch`` items each; with ``threads`` > 1, a multiple of ``threads`` in number, each of at
+    least ``min_piece`` items (this wins over ``sub_batch``); a batch too small for two such pieces runs on one
+    thread (``sub_batch`` alone)."""
+    n = 1 if sub_batch is None else -(-B // sub_batch)
+    if threads > 1 and B >= 2 * min_piece:
+        n = min(-(-max(n, threads) // threads) * threads, B // min_piece)
+    else:
+        threads = 1
+    size = -(-B // n)
+    return [slice(b0, min(B, b0 + size)) for b0 in range(0, B, size)], threads
 
 
 def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tensor, u, udot, fext, n: int,
@@ -273,31 +323,81 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
             sub_batch: Optional[int] = None):
     """n steps from full node positions/velocities (B, N, 3); inputs time-major (T, B, ...) or None.
     Returns positions, velocities (n, B, N, 3). Runs ``chunk`` steps per compiled call; ``sub_batch`` splits a
-    large batch into pieces of at most that size run one after the other (keeps the working set in cache),
-    each written into its slice of the outputs."""
+    large batch into pieces of at most that size (keeps a piece's working set in cache), each written into its
+    slice of the outputs.
+
+    Compiled on a CPU with ``torch.get_num_threads()`` > 1, no gradient asked for, and a batch large enough
+    (:data:`THREAD_PIECE_WORK`), the pieces run on that many threads, each piece in code without OpenMP regions
+    (:func:`compiled` ``serial``; :func:`batch_pieces`). Why: the OpenMP graph puts a barrier after each of its
+    ~40 loops per step, and at these sizes the second core waited more than it computed. Measured on this 2-core
+    AMD EPYC (float32, 7 rounds interleaved in one process, median; 2026-12-03): the manipulator at batch 1024
+    in pieces of 256, 50 steps, two OpenMP threads with the pieces in turn 363 k item-steps/s, the serial code
+    on one thread 380 k, on two threads 647 k; through this function, 20 steps (``bench/bench_engine.py``'s),
+    909 k against 590 k, and the icosahedron (two pieces of 512 against the whole batch) 1.96 M against 1.67 M
+    (3.22 M against 2.15 M over 100 steps). With a gradient the pieces stay in turn on OpenMP's threads: their
+    backward passes would run on autograd's one CPU thread anyway."""
     B = max(X0.shape[0], params.mass.shape[0] if params.mass.dim() == 2 else 1)
     X0, V0 = X0.expand(B, *X0.shape[1:]), V0.expand(B, *V0.shape[1:])
-    if sub_batch is None or B <= sub_batch:
+    threads = piece_threads(compile, X0.device.type,
+                            (X0, V0, u, udot, fext, *(getattr(params, k) for k in params.kinds())))
+    steps_per_call = max(1, min(chunk, n))
+    min_piece = -(-THREAD_PIECE_WORK // (steps_per_call * max(1, c.free_idx.numel())))
+    pieces, threads = batch_pieces(B, sub_batch, threads, min_piece)
+    if len(pieces) == 1:
         return _rollout(c, params, X0, V0, u, udot, fext, n, dt, integrator, opts, chunk, compile)
+    serial = threads > 1
 
     def part(x, sl, dim):
         return x if x is None or x.dim() <= dim or x.shape[dim] != B else x[(slice(None),) * dim + (sl,)]
 
-    X = V = None
-    for b0 in range(0, B, sub_batch):
-        sl = slice(b0, min(B, b0 + sub_batch))
+    X, V = X0.new_empty((n,) + X0.shape), V0.new_empty((n,) + V0.shape)
+
+    def run(sl, first_call=None):
         p = params.map(lambda t: t[sl] if t.dim() >= 1 and params.mass.dim() == 2 and t.shape[0] == B else t)
-        x, v = _rollout(c, p, X0[sl], V0[sl], part(u, sl, 1), part(udot, sl, 1), part(fext, sl, 1), n, dt,
-                        integrator, opts, chunk, compile)
-        if X is None:
-            X, V = x.new_empty((n, B) + x.shape[2:]), v.new_empty((n, B) + v.shape[2:])
-        X[:, sl], V[:, sl] = x, v
+        X[:, sl], V[:, sl] = _rollout(c, p, X0[sl], V0[sl], part(u, sl, 1), part(udot, sl, 1), part(fext, sl, 1),
+                                      n, dt, integrator, opts, chunk, compile, serial, first_call)
+
+    if not serial:
+        for sl in pieces:
+            run(sl)
+        return X, V
+    # piece i runs on thread i % threads, the calling thread being thread 0; the others start once its first
+    # compiled call has returned, so that a graph not yet compiled compiles once (dynamo serialises compiles,
+    # but two threads that both missed its cache would each compile it)
+    compiled_once = threading.Event()
+
+    def worker(i):
+        compiled_once.wait()
+        for sl in pieces[i::threads]:
+            run(sl)
+
+    # torch's own operations (the pieces' preparation and copies, and any a graph leaves to aten) run on one
+    # OpenMP thread meanwhile: each thread that opens a parallel region gets a team of its own, and teams that
+    # spin-wait beside the pieces took the implicit step from 208 k to 23 k item-steps/s (batch 1024)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        futures = [_pool(threads - 1).submit(worker, i) for i in range(1, threads)]
+        try:
+            run(pieces[0], compiled_once)
+            for sl in pieces[threads::threads]:
+                run(sl)
+        finally:
+            compiled_once.set()
+            errors = [f.exception() for f in futures]
+    finally:
+        torch.set_num_threads(torch_threads)
+    for e in errors:
+        if e is not None:
+            raise e
     return X, V
 
 
 def _rollout(c: NodalConstants, params: Params, X0, V0, u, udot, fext, n: int, dt: float, integrator: str,
-             opts: Options, chunk: int, compile: bool):
-    """:func:`rollout` for one piece of the batch."""
+             opts: Options, chunk: int, compile: bool, serial: bool = False,
+             first_call: Optional[threading.Event] = None):
+    """:func:`rollout` for one piece of the batch (``serial``: the graph without OpenMP regions; ``first_call``
+    is set once the first compiled call has returned, or failed)."""
     B = X0.shape[0]
     der = prepare_fast(c, params)
     Q, V = to_fast(c, X0), to_fast(c, V0)
@@ -311,14 +411,20 @@ def _rollout(c: NodalConstants, params: Params, X0, V0, u, udot, fext, n: int, d
         return torch.cat((x, x[-1:].expand(pad, *x.shape[1:])))
 
     u, udot, fq = padded(u), padded(udot), padded(fq)
-    fn = compiled("steps_full", X0.device.type) if compile else steps_full
+    fn = compiled("steps_full", X0.device.type, serial) if compile else steps_full
     Xs, Vs = [], []
-    for k0 in range(0, n + pad, K):
-        sl = slice(k0, k0 + K)
-        Q, V, x, v = fn(c, der, Q, V, None if u is None else u[sl], None if udot is None else udot[sl],
-                        None if fq is None else fq[sl], dt, integrator, opts, K)
-        Xs.append(x)
-        Vs.append(v)
+    try:
+        for k0 in range(0, n + pad, K):
+            sl = slice(k0, k0 + K)
+            Q, V, x, v = fn(c, der, Q, V, None if u is None else u[sl], None if udot is None else udot[sl],
+                            None if fq is None else fq[sl], dt, integrator, opts, K)
+            if first_call is not None:
+                first_call.set()
+            Xs.append(x)
+            Vs.append(v)
+    finally:
+        if first_call is not None:
+            first_call.set()
     if len(Xs) == 1 and pad == 0:
         return Xs[0], Vs[0]
     return torch.cat(Xs)[:n], torch.cat(Vs)[:n]
