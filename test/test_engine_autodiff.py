@@ -329,13 +329,15 @@ def test_compiled_rollout_runs_pieces_on_threads(monkeypatch):
     assert fast.batch_pieces(256, None, 2, 342) == ([slice(0, 256)], 1)       # too small to share: one thread
     assert fast.batch_pieces(1024, 256, 1, 228) == ([slice(0, 256), slice(256, 512), slice(512, 768),
                                                      slice(768, 1024)], 1)
+    assert fast.piece_threads(True, "cpu", False, "implicit") == 1                # left on OpenMP's threads
+    assert fast.piece_threads(True, "cpu", True, "semi_implicit") == 1            # a gradient: pieces in turn
     monkeypatch.setattr(fast, "THREAD_PIECE_WORK", 35 * eng.constants.free_idx.numel())   # this batch: 2 x 35
 
     calls = []
     real = fast._rollout
 
     def spy(*a, **kw):
-        calls.append((threading.get_ident(), a[-2] if len(a) > 13 else False))
+        calls.append((threading.get_ident(), a[13] if len(a) > 13 else False))     # ``serial``
         return real(*a, **kw)
 
     monkeypatch.setattr(fast, "_rollout", spy)

@@ -294,14 +294,20 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return _POOL
 
 
-def piece_threads(compile: bool, device_type: str, tensors) -> int:
+#: the integrators whose compiled rollouts run their pieces on threads (:func:`piece_threads`). The implicit
+#: step is left out: in ``bench/bench_engine.py --quick`` (2026-12-03, four runs, fresh clone and /work/main)
+#: its pieces on threads ran at 16-25 k item-steps/s at batch 1024 when the icosahedron had been run before in
+#: the same process, against 190-240 k in runs of it alone or after the manipulator's explicit step only, and
+#: 166 k on OpenMP's threads; the cause was not found (not glibc's mmap and trim thresholds: the same with both
+#: fixed). rk4 was not measured.
+THREADED_INTEGRATORS = ("semi_implicit",)
+
+
+def piece_threads(compile: bool, device_type: str, grad: bool, integrator: str) -> int:
     """How many threads :func:`rollout` runs its pieces on: ``torch.get_num_threads()`` for a compiled rollout on
-    a CPU that no gradient is asked of (none of ``tensors`` requires one, or grad mode is off), else 1."""
-    if not compile or device_type != "cpu":
-        return 1
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return 1
-    return torch.get_num_threads()
+    a CPU that no gradient (``grad``) is asked of, with an integrator of :data:`THREADED_INTEGRATORS`; else 1."""
+    ok = compile and device_type == "cpu" and not grad and integrator in THREADED_INTEGRATORS
+    return torch.get_num_threads() if ok else 1
 
 
 def batch_pieces(B: int, sub_batch: Optional[int], threads: int = 1, min_piece: int = 1):
@@ -338,8 +344,9 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
     backward passes would run on autograd's one CPU thread anyway."""
     B = max(X0.shape[0], params.mass.shape[0] if params.mass.dim() == 2 else 1)
     X0, V0 = X0.expand(B, *X0.shape[1:]), V0.expand(B, *V0.shape[1:])
-    threads = piece_threads(compile, X0.device.type,
-                            (X0, V0, u, udot, fext, *(getattr(params, k) for k in params.kinds())))
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (X0, V0, u, udot, fext, *(getattr(params, k) for k in params.kinds())))
+    threads = piece_threads(compile, X0.device.type, grad, integrator)
     steps_per_call = max(1, min(chunk, n))
     min_piece = -(-THREAD_PIECE_WORK // (steps_per_call * max(1, c.free_idx.numel())))
     pieces, threads = batch_pieces(B, sub_batch, threads, min_piece)
@@ -354,8 +361,11 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
 
     def run(sl, first_call=None):
         p = params.map(lambda t: t[sl] if t.dim() >= 1 and params.mass.dim() == 2 and t.shape[0] == B else t)
-        X[:, sl], V[:, sl] = _rollout(c, p, X0[sl], V0[sl], part(u, sl, 1), part(udot, sl, 1), part(fext, sl, 1),
-                                      n, dt, integrator, opts, chunk, compile, serial, first_call)
+        out = None if grad else (X[:, sl], V[:, sl])      # chunks copied in place (autograd needs the copies)
+        x, v = _rollout(c, p, X0[sl], V0[sl], part(u, sl, 1), part(udot, sl, 1), part(fext, sl, 1), n, dt,
+                        integrator, opts, chunk, compile, serial, first_call, out)
+        if out is None:
+            X[:, sl], V[:, sl] = x, v
 
     if not serial:
         for sl in pieces:
@@ -371,9 +381,9 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
         for sl in pieces[i::threads]:
             run(sl)
 
-    # torch's own operations (the pieces' preparation and copies, and any a graph leaves to aten) run on one
-    # OpenMP thread meanwhile: each thread that opens a parallel region gets a team of its own, and teams that
-    # spin-wait beside the pieces took the implicit step from 208 k to 23 k item-steps/s (batch 1024)
+    # torch's own operations (the pieces' preparation and copies) run on one OpenMP thread meanwhile: each thread
+    # that opens a parallel region gets a team of its own, and teams that spin-wait beside the pieces slowed the
+    # OpenMP path run after them in the same process (manipulator, batch 1024: ~590 k -> 169 k item-steps/s)
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -395,9 +405,10 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
 
 def _rollout(c: NodalConstants, params: Params, X0, V0, u, udot, fext, n: int, dt: float, integrator: str,
              opts: Options, chunk: int, compile: bool, serial: bool = False,
-             first_call: Optional[threading.Event] = None):
+             first_call: Optional[threading.Event] = None, out=None):
     """:func:`rollout` for one piece of the batch (``serial``: the graph without OpenMP regions; ``first_call``
-    is set once the first compiled call has returned, or failed)."""
+    is set once the first compiled call has returned, or failed; ``out``: positions and velocities (n, B, N, 3)
+    that each chunk's outputs are copied into, returned, instead of concatenated)."""
     B = X0.shape[0]
     der = prepare_fast(c, params)
     Q, V = to_fast(c, X0), to_fast(c, V0)
@@ -420,11 +431,18 @@ def _rollout(c: NodalConstants, params: Params, X0, V0, u, udot, fext, n: int, d
                             None if fq is None else fq[sl], dt, integrator, opts, K)
             if first_call is not None:
                 first_call.set()
+            if out is not None:
+                m = min(K, n - k0)
+                out[0][k0:k0 + m].copy_(x[:m])
+                out[1][k0:k0 + m].copy_(v[:m])
+                continue
             Xs.append(x)
             Vs.append(v)
     finally:
         if first_call is not None:
             first_call.set()
+    if out is not None:
+        return out
     if len(Xs) == 1 and pad == 0:
         return Xs[0], Vs[0]
     return torch.cat(Xs)[:n], torch.cat(Vs)[:n]
