@@ -301,11 +301,14 @@ def test_compiled_paths_match_eager():
     torch.testing.assert_close(st.positions, ref.positions[-1], rtol=0, atol=1e-12)
 
 
-def test_compiled_rollout_runs_pieces_on_threads(monkeypatch):
-    """With more than one torch thread and no gradient, the compiled rollout splits the batch into pieces run one
-    per thread (serial code in each, ``fast.batch_pieces``): per-item parameters, inputs and external forces
-    land in their items (== the eager reference, float64, 1e-12), the pieces ran on two threads; with a gradient
-    they run in turn on the calling thread; an error in a piece reaches the caller."""
+def test_rollout_runs_pieces_on_threads(monkeypatch):
+    """The batch-last rollout's pieces on threads (``fast.rollout``: what a compiled semi-implicit CPU rollout with
+    more than one torch thread and no gradient does, each piece in code compiled without OpenMP regions): per-item
+    parameters, inputs and external forces land in their items (== the reference, float64, 1e-12), the pieces ran
+    on two threads, torch's thread count is restored, and an error in a piece reaches the caller. Who gets
+    threads (``piece_threads``) and how the batch is split (``batch_pieces``) are checked as functions. Run on
+    the eager steps, so that the suite compiles no further graph (inductor's code for ``cpp.threads = 1`` is what
+    it writes for one torch thread, which ``test_compiled_paths_match_eager`` compiles and checks)."""
     import threading
 
     from tensegrity_ros.engine import fast
@@ -329,34 +332,43 @@ def test_compiled_rollout_runs_pieces_on_threads(monkeypatch):
     assert fast.batch_pieces(256, None, 2, 342) == ([slice(0, 256)], 1)       # too small to share: one thread
     assert fast.batch_pieces(1024, 256, 1, 228) == ([slice(0, 256), slice(256, 512), slice(512, 768),
                                                      slice(768, 1024)], 1)
-    assert fast.piece_threads(True, "cpu", False, "implicit") == 1                # left on OpenMP's threads
-    assert fast.piece_threads(True, "cpu", True, "semi_implicit") == 1            # a gradient: pieces in turn
-    monkeypatch.setattr(fast, "THREAD_PIECE_WORK", 35 * eng.constants.free_idx.numel())   # this batch: 2 x 35
-
-    calls = []
-    real = fast._rollout
-
-    def spy(*a, **kw):
-        calls.append((threading.get_ident(), a[13] if len(a) > 13 else False))     # ``serial``
-        return real(*a, **kw)
-
-    monkeypatch.setattr(fast, "_rollout", spy)
     n = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with torch.no_grad():
-            out = eng.rollout(hyps, s0, inputs, 0.01, compile=True)
-        torch.testing.assert_close(out.positions, ref.positions, rtol=0, atol=1e-12)
-        torch.testing.assert_close(out.velocities, ref.velocities, rtol=0, atol=1e-11)
+        assert fast.piece_threads(True, "cpu", False, "semi_implicit") == 2
+        assert fast.piece_threads(True, "cpu", True, "semi_implicit") == 1     # a gradient: pieces in turn
+        assert fast.piece_threads(True, "cpu", False, "implicit") == 1         # left on OpenMP's threads
+        assert fast.piece_threads(True, "cuda", False, "semi_implicit") == 1
+        assert fast.piece_threads(False, "cpu", False, "semi_implicit") == 1
+
+        asked, calls = [], []
+        real_threads, real_rollout = fast.piece_threads, fast._rollout
+
+        def threads(compile, device_type, grad, integrator):   # as if compiled: the eager steps on threads
+            asked.append(grad)
+            return real_threads(True, device_type, grad, integrator)
+
+        def spy(*a, **kw):
+            calls.append((threading.get_ident(), a[13] if len(a) > 13 else False))     # ``serial``
+            return real_rollout(*a, **kw)
+
+        monkeypatch.setattr(fast, "piece_threads", threads)
+        monkeypatch.setattr(fast, "_rollout", spy)
+        monkeypatch.setattr(fast, "THREAD_PIECE_WORK", 35 * eng.constants.free_idx.numel())   # this batch: 2 x 35
+        X, V = fast.rollout(eng.constants, hyps, s0.positions, s0.velocities, u, ud.expand(T, B, 2), fe, T, 0.01,
+                            eng.integrator, eng.options, compile=False)
+        torch.testing.assert_close(X, ref.positions, rtol=0, atol=1e-12)
+        torch.testing.assert_close(V, ref.velocities, rtol=0, atol=1e-11)
         assert len(calls) == 2 and all(serial for _, serial in calls), calls
         assert len({tid for tid, _ in calls}) == 2, "both pieces ran on one thread"
+        assert torch.get_num_threads() == 2 and asked == [False]
 
-        calls.clear()                                  # with a gradient: one piece (B / sub_batch), in turn
+        calls.clear()                                  # a gradient asked of one parameter: in turn, here
         k = hyps.stiffness.clone().requires_grad_(True)
-        out = eng.rollout(hyps.replace(stiffness=k), s0, inputs, 0.01, compile=True, sub_batch=35)
-        torch.testing.assert_close(out.positions.detach(), ref.positions, rtol=0, atol=1e-12)
-        assert len(calls) == 2 and not any(serial for _, serial in calls)
-        assert {tid for tid, _ in calls} == {threading.get_ident()}
+        X, _ = fast.rollout(eng.constants, hyps.replace(stiffness=k), s0.positions, s0.velocities, u,
+                            ud.expand(T, B, 2), fe, T, 0.01, eng.integrator, eng.options, compile=False)
+        torch.testing.assert_close(X.detach(), ref.positions, rtol=0, atol=1e-12)
+        assert asked == [False, True] and len(calls) == 1 and calls[0][0] == threading.get_ident()
 
         started = []
 
@@ -364,10 +376,12 @@ def test_compiled_rollout_runs_pieces_on_threads(monkeypatch):
             started.append(1)
             if len(started) == 2:
                 raise RuntimeError("piece failed")
-            return real(*a, **kw)
+            return real_rollout(*a, **kw)
 
         monkeypatch.setattr(fast, "_rollout", failing)
         with torch.no_grad(), pytest.raises(RuntimeError, match="piece failed"):
-            eng.rollout(hyps, s0, inputs, 0.01, compile=True)
+            fast.rollout(eng.constants, hyps, s0.positions, s0.velocities, u, ud.expand(T, B, 2), fe, T, 0.01,
+                         eng.integrator, eng.options, compile=False)
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(n)
