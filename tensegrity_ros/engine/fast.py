@@ -344,8 +344,8 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
     backward passes would run on autograd's one CPU thread anyway."""
     B = max(X0.shape[0], params.mass.shape[0] if params.mass.dim() == 2 else 1)
     X0, V0 = X0.expand(B, *X0.shape[1:]), V0.expand(B, *V0.shape[1:])
-    grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (X0, V0, u, udot, fext, *(getattr(params, k) for k in params.kinds())))
+    leaves = (X0, V0, u, udot, fext, *(getattr(params, k) for k in params.kinds()))
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
     threads = piece_threads(compile, X0.device.type, grad, integrator)
     steps_per_call = max(1, min(chunk, n))
     min_piece = -(-THREAD_PIECE_WORK // (steps_per_call * max(1, c.free_idx.numel())))
