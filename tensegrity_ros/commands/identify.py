@@ -510,14 +510,10 @@ def _write_report(*args, **kwargs) -> float:
     """:func:`_report` with torch on one thread, as identification runs: its small batched rollouts ran 6.7x slower
     on two threads (5.4 s against 0.8 s for a 6-s bag) and took 205 s when another process held the second core
     (measured on this project's 2-core machine)."""
-    import torch
+    from ..engine._common import torch_threads
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         return _report(*args, **kwargs)
-    finally:
-        torch.set_num_threads(old)
 
 
 def _report(tmp: Path, structure, identified, recs, datasets, result, *, prior_std=None, truth=None,

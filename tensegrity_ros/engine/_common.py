@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import Optional
@@ -31,6 +32,20 @@ def register_tensor_dataclass(cls):
                                 flatten_with_keys_fn=flatten_with_keys)
     cls.map = lambda self, fn: pytree.tree_map(lambda t: None if t is None else fn(t), self)
     return cls
+
+
+@contextmanager
+def torch_threads(n: Optional[int]):
+    """torch's intra-op threads set to ``n`` inside the block (None: left as they are), restored after."""
+    if n is None:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def as_tensor(x: np.ndarray, dtype, device) -> torch.Tensor:

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from . import laws
+from ._common import torch_threads
 from .laws import NodalConstants, Options
 from .params import Params
 
@@ -280,18 +281,17 @@ def compiled(name: str, device_type: str = "cpu", serial: bool = False):
 #: 128 1.27 M against 1.94 M, of 512 3.22 M against 2.15 M
 THREAD_PIECE_WORK = 4096
 
-_POOL: Optional[ThreadPoolExecutor] = None
+_POOL: dict = {}        # {"workers": n, "pool": ThreadPoolExecutor}
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
     """The engine's threads for pieces of a batch (``workers`` of them; the calling thread is one more). Idle
     between rollouts; a rollout waits for its pieces, so none is in flight after it returns."""
-    global _POOL
-    if _POOL is None or _POOL._max_workers != workers:
-        if _POOL is not None:
-            _POOL.shutdown(wait=False)
-        _POOL = ThreadPoolExecutor(workers, thread_name_prefix="engine-piece")
-    return _POOL
+    if _POOL.get("workers") != workers:
+        if _POOL:
+            _POOL["pool"].shutdown(wait=False)
+        _POOL.update(workers=workers, pool=ThreadPoolExecutor(workers, thread_name_prefix="engine-piece"))
+    return _POOL["pool"]
 
 
 #: the integrators whose compiled rollouts run their pieces on threads (:func:`piece_threads`). The implicit
@@ -384,9 +384,7 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
     # torch's own operations (the pieces' preparation and copies) run on one OpenMP thread meanwhile: each thread
     # that opens a parallel region gets a team of its own, and teams that spin-wait beside the pieces slowed the
     # OpenMP path run after them in the same process (manipulator, batch 1024: ~590 k -> 169 k item-steps/s)
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         futures = [_pool(threads - 1).submit(worker, i) for i in range(1, threads)]
         try:
             run(pieces[0], compiled_once)
@@ -395,8 +393,6 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
         finally:
             compiled_once.set()
             errors = [f.exception() for f in futures]
-    finally:
-        torch.set_num_threads(torch_threads)
     for e in errors:
         if e is not None:
             raise e

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from ..engine import Params, build_topology, params_from_structure
+from ..engine._common import torch_threads
 from ..model import Structure
 from ..param_names import GAUGE_KINDS, join_name, kind_of
 from .data import Dataset, screen_dataset
@@ -364,19 +364,6 @@ class IdentificationResult:
                 "recordings": [dict(r) for r in self.recordings]}
 
 
-@contextmanager
-def _threads(n: Optional[int]):
-    if n is None:
-        yield
-        return
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
 def structure_prior_std(structure: Structure, prior_std: Mapping[str, float]) -> Dict[str, float]:
     """Stage 2's prior widths: ``prior_std`` (per kind or per parameter name) with the structure file's per-element
     statements added by name, which override the kind's width for that element: a bar's ``mass_std`` (kg) becomes
@@ -562,7 +549,7 @@ def identify(structure: Structure, dataset: Union[Dataset, Sequence[Dataset]], *
     delay = float(fopts.delay_s if "refine" in stages else ropts.delay_s)
     start_delay = delay
     try:
-        with _threads(opts.num_threads):
+        with torch_threads(opts.num_threads):
             # ---- screening -------------------------------------------------------------------------
             top = build_topology(structure)
             free = np.asarray(top.free_nodes, dtype=int)
