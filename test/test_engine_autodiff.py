@@ -385,3 +385,32 @@ def test_rollout_runs_pieces_on_threads(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(n)
+
+
+def test_large_tensors_in_huge_pages():
+    """Importing the engine puts PyTorch's large CPU allocations (a rollout's outputs) in transparent huge pages
+    (``THP_MEM_ALLOC_ENABLE``, set unless the user set it; docs/engine.md): a fresh 64-MB tensor is backed by
+    huge pages, and a user's ``0`` is kept (and, where the kernel gives huge pages only to those who ask, is not).
+    Fresh interpreters, because the allocator reads the setting once. Skipped where the kernel has them off."""
+    import os
+    import subprocess
+    import sys
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("transparent huge pages are off in this kernel")
+    probe = ("import os, re, torch; import tensegrity_ros.engine; x = torch.ones(16 << 20); "
+             "kb = sum(int(v) for v in re.findall(r'AnonHugePages:\\s+(\\d+)', open('/proc/self/smaps').read())); "
+             "print(os.environ['THP_MEM_ALLOC_ENABLE'], kb)")
+
+    def run(**env):
+        e = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+        out = subprocess.run([sys.executable, "-c", probe], env={**e, **env}, capture_output=True, text=True,
+                             timeout=120, check=True).stdout.split()
+        return out[0], int(out[1])
+
+    setting, huge_kb = run()
+    assert setting == "1" and huge_kb >= 32 << 10, (setting, huge_kb)
+    setting, huge_kb = run(THP_MEM_ALLOC_ENABLE="0")
+    assert setting == "0"
+    if "[madvise]" in mode.read_text():     # with ``always`` the kernel backs large mappings with huge pages itself
+        assert huge_kb < 32 << 10, huge_kb
