@@ -20,6 +20,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=[PACKAGE, PACKAGE + ".*"]),
+    package_data={PACKAGE + ".engine": ["native_step.c"]},      # built on first use (engine/native.py)
     data_files=[
         ("share/ament_index/resource_index/packages", ["resource/" + PACKAGE]),
         ("share/" + PACKAGE, ["package.xml"]),

@@ -7,10 +7,11 @@
 (``implicit``: its strings are damped too hard for explicit steps at 1 ms), at dt = 1 ms:
 
 * engine steps/s (every batch item counts as a step) for batch 1, 64, 1024 (compiled at 1024 without gradients:
-  rollouts of ``ROLLOUT_STEPS``, as long as MuJoCo's, and of 20 steps); eager and compiled
-  (``rollout(compile=True)``, batch-last fused path); without and with gradients (forward + backward of
-  a rollout loss, per step); float32 for throughput, as the float32 fast path;
-* the 1 s horizon at batch 1 (compiled, chunk of 8 steps per call, and eager), ms;
+  rollouts of ``ROLLOUT_STEPS``, as long as MuJoCo's, and of 20 steps); eager, compiled by inductor
+  (``rollout(compile=True, kernel="inductor")``, the batch-last path) and, for the semi-implicit step without
+  gradients, the step fused in C (``kernel="native"``, engine/native.py, what ``kernel="auto"`` runs there);
+  without and with gradients (forward + backward of a rollout loss, per step); float32 for throughput;
+* the 1 s horizon at batch 1 (eager; compiled, 1 and 8 steps per call; native), ms;
 * MuJoCo: a Python ``mj_step`` loop (one core) and ``mujoco.rollout`` with nthread = os.cpu_count();
 * agreement with the twin (node positions, mm) on the scenarios of test/test_engine_vs_mujoco.py;
 * the roofline: matrix-product flops per item-step (torch's flop counter, reference layout) times the best batch-1024
@@ -35,7 +36,7 @@ from tensegrity_ros.paths import REPO_ROOT  # noqa: E402
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / "build" / "torchinductor"))
 
-from tensegrity_ros.engine import Inputs, make_engine  # noqa: E402
+from tensegrity_ros.engine import Inputs, make_engine, native  # noqa: E402
 from tensegrity_ros.engine import setup_compile  # noqa: E402
 from tensegrity_ros.metrics import rms_error  # noqa: E402
 from tensegrity_ros.model import load_structure  # noqa: E402
@@ -79,15 +80,15 @@ def device_sync(t: torch.Tensor):
     return torch.cuda.synchronize if t.is_cuda else (lambda: None)
 
 
-def engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_batch=None):
-    """item-steps per second of a rollout of ``steps`` steps at batch B."""
+def engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_batch=None, kernel="inductor"):
+    """item-steps per second of a rollout of ``steps`` steps at batch B (``compile``: by ``kernel``)."""
     p = eng.default_params().map(lambda t: t.to(dtype))
     s0 = eng.initial_state(batch=B).map(lambda t: t.to(dtype))
     torch.manual_seed(0)
     s0 = s0.replace(velocities=s0.velocities + 0.01 * torch.randn_like(s0.velocities))
     s0 = eng.project(p, s0)
 
-    kw = dict(sub_batch=sub_batch) if compile else {}
+    kw = dict(sub_batch=sub_batch, kernel=kernel) if compile else {}
     sync = device_sync(s0.positions)
 
     def once():
@@ -262,10 +263,29 @@ def run(structures=tuple(STRUCTURES), batches=(1, 64, 1024), grads=(False, True)
                         r["engine"][k] = {"steps_per_s": rate, "warmup_s": warm, "steps": n_steps}
                         log(f"{tag:34s} {k:26s} {rate:12.0f} item-steps/s   ({n_steps} steps; first call "
                             f"{warm:.1f} s)")
+        # the semi-implicit step fused in C (engine/native.py): CPU, no gradient; the same batches and lengths
+        why = native.unsuitable("cpu", False, integ, torch.float32) or native.available(torch.float32)
+        if why is None and f"{tag}/native_nograd" not in skip:
+            for B in batches:
+                torch.set_num_threads(1 if B == 1 else big_threads)
+                runs = [(f"native_nograd_b{B}", 100 if B <= 64 else 20)]
+                if B >= 1024:
+                    runs = [(f"native_nograd_b{B}", ROLLOUT_STEPS), (f"native_nograd_b{B}_20steps", 20)]
+                for k, n_steps in runs:
+                    rate, warm = engine_rate(eng, B, n_steps, True, False, kernel="native")
+                    r["engine"][k] = {"steps_per_s": rate, "warmup_s": warm, "steps": n_steps}
+                    log(f"{tag:34s} {k:26s} {rate:12.0f} item-steps/s   ({n_steps} steps; first call "
+                        f"{warm:.1f} s)")
+        elif why is not None:
+            log(f"{tag:34s} native kernel: not measured ({why})")
         # 1 s horizon at batch 1
         horizon = {}
         torch.set_num_threads(1)
-        for label, comp, chunk in (("eager", False, 1), ("compiled_chunk1", True, 1), ("compiled_chunk8", True, 8)):
+        paths = [("eager", False, 1, "inductor"), ("compiled_chunk1", True, 1, "inductor"),
+                 ("compiled_chunk8", True, 8, "inductor")]
+        if "native_nograd_b1" in r["engine"]:
+            paths.append(("native", True, 1, "native"))
+        for label, comp, chunk, kernel in paths:
             if comp and True not in compiled:
                 continue
             if f"{tag}/horizon_{label}" in skip:
@@ -273,9 +293,10 @@ def run(structures=tuple(STRUCTURES), batches=(1, 64, 1024), grads=(False, True)
                 continue
             p = eng.default_params()
             s0 = eng.initial_state()
+            kw = dict(compile=comp, chunk=chunk, kernel=kernel)
             with torch.no_grad():
-                eng.rollout(p, s0, None, DT, steps=16, compile=comp, chunk=chunk)
-                sec = _best(lambda: eng.rollout(p, s0, None, DT, steps=1000, compile=comp, chunk=chunk), 2)
+                eng.rollout(p, s0, None, DT, steps=16, **kw)
+                sec = _best(lambda: eng.rollout(p, s0, None, DT, steps=1000, **kw), 2)
             horizon[label] = sec * 1e3
             log(f"{tag:34s} 1 s horizon, batch 1, {label:16s} {sec * 1e3:8.1f} ms")
         r["horizon_1s_b1_ms_by_path"] = horizon
@@ -285,16 +306,20 @@ def run(structures=tuple(STRUCTURES), batches=(1, 64, 1024), grads=(False, True)
         r["mujoco_rollout_steps_per_s"] = mj_roll
         r["mujoco_rollout_nthread"] = nthread
         log(f"{tag:34s} MuJoCo mj_step loop {mj_step:10.0f} steps/s, rollout (nthread={nthread}) {mj_roll:10.0f}")
-        b1024 = [v["steps_per_s"] for k, v in r["engine"].items() if k.endswith("nograd_b1024")]
+        b1024 = {k[:-len("_nograd_b1024")]: v["steps_per_s"] for k, v in r["engine"].items()
+                 if k.endswith("_nograd_b1024")}
         if b1024:
-            r["engine_b1024_steps_per_s"] = max(b1024)
-            r["ratio_b1024_vs_rollout"] = max(b1024) / mj_roll
-            log(f"{tag:34s} batch 1024 / MuJoCo rollout = {r['ratio_b1024_vs_rollout']:.1f}x (both "
-                f"{ROLLOUT_STEPS}-step rollouts)")
+            best = max(b1024, key=b1024.get)
+            r["engine_b1024_steps_per_s"], r["engine_b1024_path"] = b1024[best], best
+            r["ratio_b1024_vs_rollout"] = b1024[best] / mj_roll
+            r["ratio_b1024_vs_rollout_by_path"] = {k: v / mj_roll for k, v in b1024.items()}
+            log(f"{tag:34s} batch 1024 / MuJoCo rollout = {r['ratio_b1024_vs_rollout']:.1f}x ({best}; both "
+                f"{ROLLOUT_STEPS}-step rollouts; " + ", ".join(f"{k} {v / mj_roll:.1f}x" for k, v in b1024.items())
+                + ")")
             torch.set_num_threads(big_threads)
             if "peak_gflops" not in results:
                 results["peak_gflops"] = peak_gflops()
-            r["roofline_b1024"] = roofline(eng, max(b1024), results["peak_gflops"])
+            r["roofline_b1024"] = roofline(eng, b1024[best], results["peak_gflops"])
             rf = r["roofline_b1024"]
             log(f"{tag:34s} roofline: {rf['flops_per_item_step'] / 1e3:.1f} kflop per item-step (matrix products), "
                 f"{rf['achieved_gflops']:.2f} Gflop/s at batch 1024 = {100 * rf['fraction_of_peak']:.2f} % of the "

@@ -275,9 +275,9 @@ def test_fast_layout_gradients(integrator):
 
 
 def test_compiled_paths_match_eager():
-    """torch.compile path (batch-last fast path) == eager reference: float64 to 1e-12, and gradients flow.
-
-    ``compiled_step`` and ``rollout(compile=True, chunk=1)`` share one compiled graph (one compile here)."""
+    """torch.compile path (batch-last fast path, ``kernel="inductor"``) == eager reference: float64 to 1e-12, and
+    gradients flow; without a gradient too (the graph ``compiled_step`` runs where the native kernel does not
+    apply; test_engine_native.py checks the native one)."""
     s = small_structure()
     eng = make_engine(s)
     p = eng.default_params()
@@ -294,10 +294,10 @@ def test_compiled_paths_match_eager():
     (g_ref,) = torch.autograd.grad(eng.rollout(p.replace(stiffness=k2), s0, inputs, 0.01).positions[-1].square().sum(),
                                    k2)
     torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-12)
-    step = eng.compiled_step
-    st = s0
-    for t in range(4):
-        st = step(p, st, inputs[t], 0.01)
+    st = s0                                   # inductor's graph without a gradient (one step per rollout)
+    with torch.no_grad():
+        for t in range(4):
+            st = eng.rollout(p, st, inputs[t:t + 1], 0.01, compile=True, kernel="inductor")[0]
     torch.testing.assert_close(st.positions, ref.positions[-1], rtol=0, atol=1e-12)
 
 

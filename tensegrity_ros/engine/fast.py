@@ -324,13 +324,38 @@ def batch_pieces(B: int, sub_batch: Optional[int], threads: int = 1, min_piece: 
     return [slice(b0, min(B, b0 + size)) for b0 in range(0, B, size)], threads
 
 
+#: the kernels of a compiled rollout (``kernel=``): ``inductor`` (torch.compile of :func:`steps_full`, any
+#: integrator, differentiable), ``native`` (:mod:`.native`: the semi-implicit step fused in C, CPU, no gradient)
+#: and ``auto``, which takes ``native`` wherever it applies and builds, else ``inductor``
+KERNELS = ("auto", "inductor", "native")
+
+
+def choose_kernel(kernel: str, device_type: str, grad: bool, integrator: str, dtype: torch.dtype) -> str:
+    """The kernel a compiled rollout runs: ``inductor`` or ``native`` (see :data:`KERNELS`). ValueError for an
+    unknown name (listing the valid ones) or for ``native`` where it does not apply (saying why)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r} (valid: {', '.join(KERNELS)})")
+    if kernel == "inductor":
+        return kernel
+    from . import native
+    why = native.unsuitable(device_type, grad, integrator, dtype)
+    if why is None:
+        why = native.available(dtype)
+    if why is None:
+        return "native"
+    if kernel == "native":
+        raise ValueError(f"kernel='native' cannot run this rollout: {why}")
+    return "inductor"
+
+
 def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tensor, u, udot, fext, n: int,
             dt: float, integrator: str, opts: Options, chunk: int = 1, compile: bool = True,
-            sub_batch: Optional[int] = None):
+            sub_batch: Optional[int] = None, kernel: str = "auto"):
     """n steps from full node positions/velocities (B, N, 3); inputs time-major (T, B, ...) or None.
-    Returns positions, velocities (n, B, N, 3). Runs ``chunk`` steps per compiled call; ``sub_batch`` splits a
-    large batch into pieces of at most that size (keeps a piece's working set in cache), each written into its
-    slice of the outputs.
+    Returns positions, velocities (n, B, N, 3). ``compile``: ``kernel`` (:data:`KERNELS`) runs the steps, else
+    the eager batch-last steps. Under inductor, ``chunk`` steps per compiled call; ``sub_batch`` splits a large
+    batch into pieces of at most that size (keeps a piece's working set in cache), each written into its slice
+    of the outputs. The native kernel takes neither (it runs every step of a tile of the batch in one call).
 
     Compiled on a CPU with ``torch.get_num_threads()`` > 1, no gradient asked for, and a batch large enough
     (:data:`THREAD_PIECE_WORK`), the pieces run on that many threads, each piece in code without OpenMP regions
@@ -346,6 +371,9 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
     X0, V0 = X0.expand(B, *X0.shape[1:]), V0.expand(B, *V0.shape[1:])
     leaves = (X0, V0, u, udot, fext, *(getattr(params, k) for k in params.kinds()))
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
+    if compile and choose_kernel(kernel, X0.device.type, grad, integrator, X0.dtype) == "native":
+        from . import native
+        return native.rollout(c, params, X0, V0, u, udot, fext, n, dt, opts)
     threads = piece_threads(compile, X0.device.type, grad, integrator)
     steps_per_call = max(1, min(chunk, n))
     min_piece = -(-THREAD_PIECE_WORK // (steps_per_call * max(1, c.free_idx.numel())))

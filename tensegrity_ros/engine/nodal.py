@@ -422,15 +422,17 @@ class NodalEngine:
 
     def rollout(self, params: Params, state0: State, inputs: Optional[Inputs] = None, dt: float = 1e-3,
                 steps: Optional[int] = None, compile: bool = False, chunk: int = 1,
-                sub_batch: Optional[int] = None) -> State:
+                sub_batch: Optional[int] = None, kernel: str = "auto") -> State:
         """T steps; inputs (T, B, ...); returns states (T, B, N, 3) after each step.
 
-        ``compile=True``: the batch-last throughput path (:mod:`.fast`) under torch.compile, ``chunk`` steps
-        per compiled call (chunk > 1 cuts the per-call overhead at small batches but compiles a bigger graph;
-        every distinct (chunk, batch, dtype) compiles once). Same results (float64: 1e-12), differentiable.
-        ``sub_batch``: run a large batch in pieces of at most this size (faster when a piece's working set fits
-        the cache; e.g. 128 for the 36-node manipulator on this CPU, without gradients: with them each piece keeps
-        an autograd graph of its own and whole batches were faster, docs/engine.md).
+        ``compile=True``: the batch-last throughput path (:mod:`.fast`), run by ``kernel`` (``fast.KERNELS``):
+        ``auto`` (default) takes the semi-implicit step fused in C (:mod:`.native`) for CPU rollouts that no
+        gradient is asked of, where it builds, and torch.compile (``inductor``) otherwise. Same results (float64:
+        1e-12); inductor's are differentiable. Under inductor, ``chunk`` steps per compiled call (chunk > 1 cuts
+        the per-call overhead at small batches but compiles a bigger graph; every distinct (chunk, batch, dtype)
+        compiles once), and ``sub_batch`` runs a large batch in pieces of at most this size (faster when a
+        piece's working set fits the cache; e.g. 128 for the 36-node manipulator on this CPU, without gradients:
+        with them each piece keeps an autograd graph of its own and whole batches were faster, docs/engine.md).
         """
         if not compile:
             return rollout(self.constants, params, state0, inputs, dt, self.integrator, self.options, steps)
@@ -441,13 +443,14 @@ class NodalEngine:
         if inputs is not None:
             u, ud, fe = inputs.motor_angles, inputs.motor_velocities, inputs.external_forces
         X, V = fast.rollout(c, params, state0.positions, state0.velocities, u, ud, fe, n, dt, self.integrator,
-                            self.options, chunk=chunk, sub_batch=sub_batch)
+                            self.options, chunk=chunk, sub_batch=sub_batch, kernel=kernel)
         return State(X, V)
 
     @property
     def compiled_step(self):
-        """``torch.compile``d :meth:`step` (same signature; same results to round-off): one step of the
-        compiled batch-last path (the graph of ``rollout(compile=True, chunk=1)``). Cache: build/torchinductor."""
+        """The compiled :meth:`step` (same signature; same results to round-off): one step of the compiled
+        batch-last path, ``rollout(compile=True, chunk=1)`` (the native kernel where it applies, else the
+        torch.compile'd graph; cache: build/native, build/torchinductor)."""
         eng = self
 
         def compiled(params, state, inputs=None, dt=1e-3):
