@@ -292,3 +292,34 @@ def test_window_mse_of_several_sets_in_one_batch_equals_one_at_a_time(pendulum_d
     np.testing.assert_array_equal(prob.window_mse(sets[:1], delay_s=0.02), one_at_a_time[:1])   # a list of one
     assert np.all(batched[0] < 1e-8) and np.all(batched[1] > 1e-6)      # each copy ran with its own parameters
     assert np.all(batched[2] >= batched[0]) and np.any(batched[2] > 1e-6)   # (s3 is slack in some windows)
+
+
+def test_primal_rollouts_run_the_native_kernel_where_no_derivative_flows(pendulum_data, monkeypatch):
+    """The residual rollouts (no derivative) run the engine's native kernel, the differentiated ones the eager
+    engine, and both give the eager residuals (float64, 1e-12): with the kernel off (``TENSEGRITY_NATIVE=0``)
+    the same residuals come from the eager engine."""
+    import torch
+    import torch.autograd.forward_ad as fwAD
+
+    from tensegrity_ros.engine import native
+    from tensegrity_ros.ident.refine import RefineProblem
+    if native.available(torch.float64) is not None:
+        pytest.skip(native.available(torch.float64))
+    s, nominal, true, ds = pendulum_data
+    prob = RefineProblem(s, [ds], nominal, RefineOptions(kinds=("rest_length",), window_s=0.2))
+    w = prob.initial_w(0.0)
+    x0 = 1e-3 * torch.randn(prob.B_win, len(prob.top.free_nodes), 6, dtype=prob.dtype,
+                            generator=torch.Generator().manual_seed(0))
+    p = prob.params_of(w)
+    st = prob.engine.initial_state(*prob._offset_starts(x0))
+    inp = prob._inputs(prob.delay_of(w))
+    assert prob._primal_kernel(p, st, inp) == {"compile": True, "kernel": "native"}
+    wg = w.clone().requires_grad_(True)
+    assert prob._primal_kernel(prob.params_of(wg), st, inp) == {}
+    with fwAD.dual_level():
+        xd = fwAD.make_dual(x0, torch.ones_like(x0))
+        assert prob._primal_kernel(p, prob.engine.initial_state(*prob._offset_starts(xd)), inp) == {}
+    fast = prob.residuals(w, x0)
+    monkeypatch.setenv("TENSEGRITY_NATIVE", "0")
+    assert prob._primal_kernel(p, st, inp) == {}
+    torch.testing.assert_close(prob.residuals(w, x0), fast, rtol=0, atol=1e-12)

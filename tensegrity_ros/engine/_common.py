@@ -48,6 +48,24 @@ def torch_threads(n: Optional[int]):
         torch.set_num_threads(old)
 
 
+def is_dual(t: Optional[torch.Tensor]) -> bool:
+    """Whether ``t`` carries a forward-mode tangent (``torch.autograd.forward_ad``)."""
+    import torch.autograd.forward_ad as fwAD
+    if t is None:
+        return False
+    try:
+        return fwAD.unpack_dual(t).tangent is not None
+    except RuntimeError:  # pragma: no cover - outside a dual level
+        return False
+
+
+def differentiated(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a result computed from ``tensors`` must carry a derivative: reverse mode (grad enabled and one of
+    them requires grad) or forward mode (one of them is a dual tensor)."""
+    live = [t for t in tensors if t is not None]
+    return (torch.is_grad_enabled() and any(t.requires_grad for t in live)) or any(is_dual(t) for t in live)
+
+
 def as_tensor(x: np.ndarray, dtype, device) -> torch.Tensor:
     x = np.asarray(x)
     if x.dtype.kind in "iub":

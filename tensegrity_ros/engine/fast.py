@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from . import laws
-from ._common import torch_threads
+from ._common import differentiated, torch_threads
 from .laws import NodalConstants, Options
 from .params import Params
 
@@ -370,7 +370,7 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
     B = max(X0.shape[0], params.mass.shape[0] if params.mass.dim() == 2 else 1)
     X0, V0 = X0.expand(B, *X0.shape[1:]), V0.expand(B, *V0.shape[1:])
     leaves = (X0, V0, u, udot, fext, *(getattr(params, k) for k in params.kinds()))
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
+    grad = differentiated(*leaves)
     if compile and choose_kernel(kernel, X0.device.type, grad, integrator, X0.dtype) == "native":
         from . import native
         return native.rollout(c, params, X0, V0, u, udot, fext, n, dt, opts)

@@ -109,7 +109,10 @@ def unsuitable(device_type: str, grad: bool, integrator: str, dtype: torch.dtype
 
 
 def available(dtype: torch.dtype = torch.float32) -> Optional[str]:
-    """None when the kernel for ``dtype`` builds and loads here, else why not."""
+    """None when the kernel for ``dtype`` builds and loads here, else why not (``TENSEGRITY_NATIVE=0`` in the
+    environment turns it off: every rollout then runs as before it existed, for comparisons and bug reports)."""
+    if os.environ.get("TENSEGRITY_NATIVE", "1") == "0":
+        return "turned off by TENSEGRITY_NATIVE=0"
     try:
         library(dtype)
     except (NativeUnavailable, OSError) as exc:

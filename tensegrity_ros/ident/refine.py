@@ -44,6 +44,7 @@ import torch
 
 from ..engine import (REST_LENGTH_BOUNDS, Inputs, Params, from_unconstrained, make_engine, stack_params,
                       to_unconstrained)
+from ..engine._common import differentiated, is_dual
 from ..model import Structure
 from ..param_names import GAUGE_KINDS, element_of, join_name, kind_of
 from .data import Dataset, derivatives
@@ -712,7 +713,7 @@ class RefineProblem:
         else:
             d = delay.reshape(-1)[:1].reshape(1, 1) if delay.dim() else delay
         tau = steps[None, :] - d                                                      # (CB, n) query times
-        return _hermite(U, Ut, tau, _primal(tau) if _is_dual(tau) else tau.detach())
+        return _hermite(U, Ut, tau, _primal(tau) if is_dual(tau) else tau.detach())
 
     def _inputs(self, delay: torch.Tensor, copies: int = 1) -> Optional[Inputs]:
         """Engine inputs (n_steps, C*B, ...) for ``copies`` parameter copies; delay: () or (C,) s.
@@ -775,7 +776,8 @@ class RefineProblem:
             st = self.engine.project(params, st, iters=START_PROJECTION_ITERS)
         inp = self._inputs(delay, C)
         n = self.n_steps
-        out = self.engine.rollout(params, st, inp, dt=self.sim_dt, steps=None if inp is not None else n)
+        out = self.engine.rollout(params, st, inp, dt=self.sim_dt, steps=None if inp is not None else n,
+                                  **self._primal_kernel(params, st, inp))
         if states is not None:
             from ..engine.nodal import reduce
             c = self.engine.constants
@@ -793,6 +795,23 @@ class RefineProblem:
         if C > 1:
             pred = pred.reshape(C, B, *pred.shape[1:])
         return pred, out.positions[-1], out.velocities[-1]
+
+    def _primal_kernel(self, params: Params, st, inp: Optional[Inputs]) -> dict:
+        """The rollout options of :meth:`simulate`: the engine's native kernel (the semi-implicit step fused in C,
+        :mod:`..engine.native`) where it runs this rollout, i.e. where no derivative flows through it (the
+        residuals of Levenberg-Marquardt, the scorings, the checks), else the eager engine (autograd and forward-mode
+        Jacobians). The same states to float64 round-off (test_engine_native.py)."""
+        from ..engine import NodalEngine, native
+        if not isinstance(self.engine, NodalEngine):
+            return {}
+        leaves = [getattr(params, k) for k in params.kinds()] + [st.positions, st.velocities]
+        if inp is not None:
+            leaves += [inp.motor_angles, inp.motor_velocities, inp.external_forces]
+        why = native.unsuitable(self.device.type,
+                                differentiated(*leaves), self.engine.integrator, self.dtype)
+        if why is not None or native.available(self.dtype) is not None:
+            return {}
+        return {"compile": True, "kernel": "native"}
 
     def _open_loop_residuals(self, params: Union[Params, Sequence[Params]], delay_s: Optional[float]) -> torch.Tensor:
         """Masked residuals (B, H, No, 3), m, of ``params`` from the measured window starts (no optimisation);
@@ -1070,14 +1089,6 @@ def _hermite(U: torch.Tensor, Ut: torch.Tensor, tau: torch.Tensor, tq: torch.Ten
           + (3 * s2 - 2 * s) * hseg * m2) / hseg
     udd = ((12 * s - 6) * (p1 - p2) + (6 * s - 4) * hseg * m1 + (6 * s - 2) * hseg * m2) / (hseg * hseg)
     return u, ud, udd
-
-
-def _is_dual(t: torch.Tensor) -> bool:
-    import torch.autograd.forward_ad as fwAD
-    try:
-        return fwAD.unpack_dual(t).tangent is not None
-    except RuntimeError:  # pragma: no cover - outside a dual level
-        return False
 
 
 def _primal(t: torch.Tensor) -> torch.Tensor:
