@@ -801,17 +801,15 @@ class RefineProblem:
         :mod:`..engine.native`) where it runs this rollout, i.e. where no derivative flows through it (the
         residuals of Levenberg-Marquardt, the scorings, the checks), else the eager engine (autograd and forward-mode
         Jacobians). The same states to float64 round-off (test_engine_native.py)."""
-        from ..engine import NodalEngine, native
+        from ..engine import NodalEngine, fast
         if not isinstance(self.engine, NodalEngine):
             return {}
         leaves = [getattr(params, k) for k in params.kinds()] + [st.positions, st.velocities]
         if inp is not None:
             leaves += [inp.motor_angles, inp.motor_velocities, inp.external_forces]
-        why = native.unsuitable(self.device.type,
-                                differentiated(*leaves), self.engine.integrator, self.dtype)
-        if why is not None or native.available(self.dtype) is not None:
-            return {}
-        return {"compile": True, "kernel": "native"}
+        kernel = fast.choose_kernel("auto", self.device.type, differentiated(*leaves), self.engine.integrator,
+                                    self.dtype)
+        return {"compile": True, "kernel": "native"} if kernel == "native" else {}
 
     def _open_loop_residuals(self, params: Union[Params, Sequence[Params]], delay_s: Optional[float]) -> torch.Tensor:
         """Masked residuals (B, H, No, 3), m, of ``params`` from the measured window starts (no optimisation);
