@@ -417,3 +417,40 @@ def test_large_tensors_in_huge_pages():
     assert setting == "0"
     if "[madvise]" in mode.read_text():     # with ``always`` the kernel backs large mappings with huge pages itself
         assert huge_kb < 32 << 10, huge_kb
+
+
+def test_the_recompile_limit_holds_on_worker_threads():
+    """torch's dynamo config is per thread: the engine's recompile limit, set in the thread that builds a compiled
+    function, must still hold where the engine's worker threads call it (fast.rollout runs a batch's pieces there).
+    Before compile_fn, the 9th shape seen on a worker thread ran uncompiled for the rest of the process (stop 52's
+    make bench: the manipulator's compiled rows at 0.17x eager)."""
+    import threading
+    from tensegrity_ros.engine._common import RECOMPILE_LIMIT, compile_fn
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(tuple(example_inputs[0].shape))
+        return gm.forward
+
+    def f(x):
+        return torch.sin(x) * 2.0
+
+    fn = compile_fn(f, dynamic=False, backend=counting_backend)
+    shapes = [(n,) for n in range(1, 13)]          # 12 graphs: more than torch's default limit of 8
+    assert len(shapes) < RECOMPILE_LIMIT
+    errors = []
+
+    def worker():
+        try:
+            for s in shapes:
+                x = torch.rand(s)
+                torch.testing.assert_close(fn(x), torch.sin(x) * 2.0)
+        except Exception as exc:   # surfaced below
+            errors.append(exc)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(60)
+    assert not t.is_alive() and not errors, errors
+    assert sorted(graphs) == shapes, f"compiled {len(graphs)} of {len(shapes)} shapes on the worker thread"

@@ -121,7 +121,12 @@ def inductor_cache_dir() -> str:
     return path
 
 
-def setup_compile(recompile_limit: int = 64) -> None:
+#: recompiles allowed per compiled function (distinct batch sizes, structures, chunk lengths and grad modes each
+#: compile once; torch's default is 8)
+RECOMPILE_LIMIT = 64
+
+
+def setup_compile(recompile_limit: int = RECOMPILE_LIMIT) -> None:
     """Prepare torch.compile: inductor cache under build/, generous recompile limit (several batch sizes)."""
     inductor_cache_dir()
     import torch._dynamo as dynamo
@@ -132,6 +137,24 @@ def setup_compile(recompile_limit: int = 64) -> None:
         cfg.cache_size_limit = max(cfg.cache_size_limit, recompile_limit)
     if hasattr(cfg, "accumulated_recompile_limit"):
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * recompile_limit)
+
+
+def compile_fn(fn, **kwargs):
+    """``torch.compile(fn, **kwargs)`` with this engine's recompile limit on the function itself.
+
+    Why not only the global setting (:func:`setup_compile`): torch's dynamo config is per thread, and a compiled
+    rollout's pieces run on the engine's worker threads (:func:`.fast.rollout`), where the limit stayed torch's 8.
+    In a long process (``make bench``, stop 52) the 9th graph of the compiled step then ran uncompiled, with a
+    warning, for the rest of the process: the manipulator's compiled rows fell to 0.17x eager. The per-function
+    limit travels with the function to whichever thread calls it (test_engine_autodiff.py::
+    test_the_recompile_limit_holds_on_worker_threads)."""
+    setup_compile()
+    import inspect
+    import torch._dynamo as dynamo
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:   # torch >= 2.10
+        # this thread's setting where a caller raised it further (bench_engine.py: setup_compile(256))
+        kwargs.setdefault("recompile_limit", max(RECOMPILE_LIMIT, dynamo.config.recompile_limit))
+    return torch.compile(fn, **kwargs)
 
 
 def unsqueeze_batch(t: Optional[torch.Tensor], ndim: int) -> Optional[torch.Tensor]:

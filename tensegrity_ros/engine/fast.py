@@ -263,12 +263,11 @@ def compiled(name: str, device_type: str = "cpu", serial: bool = False):
     key = (name, device_type, serial)
     fn = _COMPILED.get(key)
     if fn is None:
-        from ._common import setup_compile
-        setup_compile()
+        from ._common import compile_fn
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_globals_unsafe, "cpp_wrapper": device_type == "cpu"}
         if serial:
             options["cpp.threads"] = 1
-        fn = torch.compile({"steps_full": steps_full}[name], dynamic=False, options=options)
+        fn = compile_fn({"steps_full": steps_full}[name], dynamic=False, options=options)
         _COMPILED[key] = fn
     return fn
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import integrators
-from ._common import as_tensor, convert_like, register_tensor_dataclass, setup_compile
+from ._common import as_tensor, compile_fn, convert_like, register_tensor_dataclass
 from .laws import split_stiffness, string_stiffness
 from .nodal import Derived, rest_lengths
 from .params import Params, params_from_structure
@@ -416,8 +416,7 @@ class SpringRodEngine:
     @property
     def compiled_step(self):
         """``torch.compile``d :meth:`step`."""
-        setup_compile()
-        fn = torch.compile(rod_step, dynamic=False)
+        fn = compile_fn(rod_step, dynamic=False)
         c, integ, opts = self.constants, self.integrator, self.options
 
         def compiled(params, state, inputs=None, dt=1e-3):
