@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tensegrity_ros.engine import from_unconstrained, make_engine, params_from_structure, to_unconstrained
-from tensegrity_ros.engine import blas, tangent
+from tensegrity_ros.engine import blas, native, tangent
 from tensegrity_ros.engine import nodal
 from tensegrity_ros.engine.nodal import prepare, reduce, step_reduced
 from tensegrity_ros.ident import RefineOptions, add_marker_noise
@@ -85,11 +85,16 @@ def _noisy_pendulum_problem(window_s: float):
     return prob, w, x0
 
 
-def test_stage2_tangent_jacobian_equals_dual_numbers():
+@pytest.mark.parametrize("kernel", ("native", "torch"))
+def test_stage2_tangent_jacobian_equals_dual_numbers(kernel, monkeypatch):
     """The refinement's Jacobian blocks (parameters, the motor delay, window starts) from the tangent model
     equal the exact dual-number copies, on the actuated pendulum with noisy starts (so the start projection
-    and the delay's input tangent are exercised)."""
+    and the delay's input tangent are exercised). kernel: the step's tangent fused in C (the default where it
+    builds; engine/native.py) or the dense tangent model (TENSEGRITY_NATIVE=0)."""
+    if kernel == "torch":
+        monkeypatch.setenv("TENSEGRITY_NATIVE", "0")
     prob, w, x0 = _noisy_pendulum_problem(window_s=0.1)
+    assert prob._native_tangents() == (kernel == "native" and native.available(torch.float64) is None)
     assert prob.jacobian_method() == "tangent"
     r1, Jw1, Je1 = prob.jacobian_blocks(w, x0, "tangent")
     r2, Jw2, Je2 = prob.jacobian_blocks(w, x0, "forward_ad")
@@ -105,7 +110,9 @@ def test_jacobian_reuses_the_residual_rollouts_states_with_the_same_blocks(monke
     """Levenberg-Marquardt evaluates the residuals at a point, then takes the Jacobian there: the tangent model
     takes that rollout's states instead of stepping the primal again (RefineProblem.residuals keeps the last
     PRIMAL_KEPT), with the same blocks to the bit. A point it did not keep, or another problem copy (other
-    parameters around the same w), steps the primal itself."""
+    parameters around the same w), steps the primal itself. The dense tangent model's path (TENSEGRITY_NATIVE=0):
+    the kernel's steps its own primal in C, and nothing is kept for it."""
+    monkeypatch.setenv("TENSEGRITY_NATIVE", "0")
     prob, w, x0 = _noisy_pendulum_problem(window_s=0.1)
     fresh = prob.jacobian_blocks(w, x0, "tangent")                       # nothing kept yet: stepped itself
     calls = []
@@ -160,17 +167,24 @@ def test_float32_tangents_and_starts_only_blocks():
 def test_start_fits_take_float32_columns_and_reach_float64s_errors(monkeypatch):
     """The held-out and string-law checks fit each window's start with float32 start columns
     (heldout.START_FIT_TANGENT_DTYPE; residuals in float64): the per-window errors they reach equal float64's to
-    1e-6 (relative), and the fit lowers them well below the measured starts' (0 steps)."""
+    1e-6 (relative), and the fit lowers them well below the measured starts' (0 steps). Where the step's tangent
+    fused in C runs (the default where it builds), the columns are its float64 ones: the same errors as the dense
+    model's float64 to 1e-9."""
     from tensegrity_ros.ident import heldout
     prob, w, _ = _noisy_pendulum_problem(window_s=0.2)
     params = prob.finalize(w)[0]
     assert heldout.START_FIT_TANGENT_DTYPE == torch.float32
+    by_native = heldout.fitted_start_mse(prob, params, 0.01, 3) if prob._native_tangents() else None
+    monkeypatch.setenv("TENSEGRITY_NATIVE", "0")                # the dense tangent model
+    assert not prob._native_tangents()
     mse32 = heldout.fitted_start_mse(prob, params, 0.01, 3)
     monkeypatch.setattr(heldout, "START_FIT_TANGENT_DTYPE", torch.float64)
     mse64 = heldout.fitted_start_mse(prob, params, 0.01, 3)
     measured = heldout.fitted_start_mse(prob, params, 0.01, 0)
     np.testing.assert_allclose(mse32, mse64, rtol=1e-6)
     assert np.all(mse64 < 0.5 * measured), (mse64, measured)
+    if by_native is not None:
+        np.testing.assert_allclose(by_native, mse64, rtol=1e-9)
 
 
 def test_start_fits_under_window_workers_score_the_parameters_asked_for(monkeypatch):

@@ -98,7 +98,10 @@ def test_window_workers_give_the_one_process_fit(pendulum_data):
     assert two.loss == pytest.approx(one.loss, rel=1e-12)
 
 
-def test_window_workers_match_in_process_blocks_and_survive_a_killed_worker(pendulum_data):
+@pytest.mark.parametrize("kernel", ("native", "torch"))
+def test_window_workers_match_in_process_blocks_and_survive_a_killed_worker(pendulum_data, kernel, monkeypatch):
+    """kernel: the Jacobians' tangents from the step's tangent fused in C (the default where it builds), or from the
+    dense tangent model (TENSEGRITY_NATIVE=0), which reuses the residual rollout's kept states."""
     import os
     import signal
 
@@ -106,8 +109,11 @@ def test_window_workers_match_in_process_blocks_and_survive_a_killed_worker(pend
 
     from tensegrity_ros.ident.refine import RefineProblem
     from tensegrity_ros.ident.workers import window_workers
+    if kernel == "torch":
+        monkeypatch.setenv("TENSEGRITY_NATIVE", "0")
     s, nominal, true, ds = pendulum_data
     prob = RefineProblem(s, [ds], nominal, RefineOptions(kinds=("rest_length",), window_s=0.2))
+    native = prob._native_tangents()
     w = prob.initial_w(0.0)
     x0 = 1e-3 * torch.randn(prob.B_win, len(prob.top.free_nodes), 6, dtype=prob.dtype,
                             generator=torch.Generator().manual_seed(0))
@@ -120,9 +126,10 @@ def test_window_workers_match_in_process_blocks_and_survive_a_killed_worker(pend
             assert a.shape == b.shape and a.dtype == b.dtype
             torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)
         # each share goes to the same process every call, which keeps the residual rollout's states for the
-        # Jacobian at the same point (RefineProblem.residuals): the same blocks from them
+        # Jacobian at the same point (RefineProblem.residuals): the same blocks from them. The C tangent steps its
+        # own primal, and nothing is kept for it
         assert len({len(share) for share in workers.shares}) == 1          # np.concatenate: shares of one size
-        assert workers.map("_kept_primal", w, x0) is not None
+        assert (workers.map("_kept_primal", w, x0) is None) == native
         assert workers.map("_kept_primal", w + 0.1, x0) is None
         for a, b in zip((r1, Jw1, Je1), prob.jacobian_blocks(w, x0)):
             torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)

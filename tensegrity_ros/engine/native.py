@@ -92,6 +92,7 @@ def _build(real: str) -> ctypes.CDLL:
         os.replace(tmp, path)
     lib = ctypes.CDLL(str(path))
     lib.rollout.restype = ctypes.c_int
+    lib.tangent_rollout.restype = ctypes.c_int
     return lib
 
 
@@ -203,18 +204,158 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
     threads = max(1, min(threads or torch.get_num_threads(), -(-B // TILE)))
     tiles = -(-B // TILE)
     bounds = [min(B, TILE * (tiles * i // threads)) for i in range(threads + 1)]
-    if threads == 1:
-        run(0, B)
-    else:
-        futures = [fast._pool(threads - 1).submit(run, bounds[i], bounds[i + 1]) for i in range(1, threads)]
-        try:
-            run(bounds[0], bounds[1])
-        finally:
-            errors = [f.exception() for f in futures]
-        for e in errors:
-            if e is not None:
-                raise e
+    _on_threads([lambda i=i: run(bounds[i], bounds[i + 1]) for i in range(threads)])
     del keep
     return X, Vout
 
 
+def _on_threads(jobs) -> None:
+    """Run the callables ``jobs``, the first on this thread and the others on the engine's threads
+    (:func:`.fast._pool`); wait for all, then raise the first error."""
+    from . import fast
+    futures = [fast._pool(len(jobs) - 1).submit(job) for job in jobs[1:]] if len(jobs) > 1 else []
+    try:
+        jobs[0]()
+    finally:
+        errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the step's tangent (native_step.c, tangent_rollout): identification's Jacobians
+# ---------------------------------------------------------------------------------------------------------------------
+def _tangents_type(real):
+    P = ctypes.POINTER(real)
+    fields = [("C", ctypes.c_int64), ("P", ctypes.c_int64)]
+    fields += [(n, P) for n in ("dEA", "dkc", "dzeta", "dxi00", "dY", "dz", "dMinv", "dPt", "dGc", "dFgT")]
+    return type(f"Tangents_{real.__name__}", (ctypes.Structure,), {"_fields_": fields})
+
+
+_TANGENTS = _tangents_type(ctypes.c_double)
+
+
+def tangent_unsuitable(device_type: str, dtype: torch.dtype, tangent_dtype: Optional[torch.dtype], opts: Options,
+                       params_batched: bool = False) -> Optional[str]:
+    """None when :func:`rollout_tangents` can run such a rollout's tangents, else why not: the kernel runs float64 on
+    the CPU, one parameter set shared by the windows, the semi-implicit step without Baumgarte terms (what
+    :func:`.tangent.supports` covers); ``TENSEGRITY_NATIVE=0`` turns it off with the primal kernel."""
+    if device_type != "cpu":
+        return f"it runs on the CPU, and the tensors are on {device_type}"
+    if dtype != torch.float64 or (tangent_dtype is not None and tangent_dtype != torch.float64):
+        return "it runs the tangents in float64 only"
+    if params_batched:
+        return "the parameters are batched (the kernel takes one set shared by the windows)"
+    if any(opts.baumgarte):
+        return "Baumgarte terms are on (the tangent model covers the step without them)"
+    return available(torch.float64)
+
+
+def _derived_tangents(c: NodalConstants, der, dth, P: int, C: int) -> dict:
+    """The per-params quantities' derivatives along the P parameter directions, as the kernel reads them: (rows, C)
+    each, zero past P. Those of the mass matrix's inverse and what follows from it (Pt, Gc, the weights) from
+    dth.mass: dMinv = -Minv dM_q Minv."""
+    dt = torch.float64
+
+    def rows(x, n_rows):                               # (..., P) -> (n_rows, C)
+        out = torch.zeros(n_rows, C, dtype=dt)
+        if P:
+            out[:, :P] = x.reshape(n_rows, P)
+        return out
+
+    S, A = der.Y.shape
+    nf = der.Minv.shape[-1]
+    nba = der.Pt.shape[0]
+    if P:
+        dMq = torch.einsum("bp,bij->ijp", dth.mass, c.E_q)
+        dMinv = -torch.einsum("ik,klp,lj->ijp", der.Minv, dMq, der.Minv)
+        dPt = torch.einsum("bi,ijp->bjp", c.Cb_q, dMinv)
+        dGc = torch.einsum("bip,ig->bgp", dPt, c.Cbt)
+        dFgT = c.gravity.reshape(3, 1, 1) * (c.WqT.mT @ dth.mass).unsqueeze(0)
+        src = dict(dEA=dth.EA, dkc=dth.kc, dzeta=dth.zeta, dxi00=dth.xi00, dY=dth.Y, dz=dth.z, dMinv=dMinv,
+                   dPt=dPt, dGc=dGc, dFgT=dFgT)
+    else:
+        src = dict.fromkeys(("dEA", "dkc", "dzeta", "dxi00", "dY", "dz", "dMinv", "dPt", "dGc", "dFgT"))
+    n_rows = dict(dEA=S, dkc=S, dzeta=S, dxi00=S, dY=S * A, dz=A, dMinv=nf * nf, dPt=nba * nf, dGc=nba * nba,
+                  dFgT=3 * nf)
+    return {k: rows(src[k], n_rows[k]) for k in n_rows}
+
+
+def rollout_tangents(c: NodalConstants, der, dth, Q0, V0, SQ0, SV0, u, ud, du, fq, dt: float, n_steps: int,
+                     opts: Options, sample_steps: torch.Tensor, dud=None, threads: Optional[int] = None):
+    """:func:`.tangent.rollout_tangents` by the kernel (same arguments and returns; float64, CPU, parameters shared,
+    see :func:`tangent_unsuitable`): positions (B, H, 3, nf) and their tangents (B, H, C, 3, nf) at the samples.
+
+    Each window is one call: its primal stepped in scalars and every tile of 16 directions pushed through the
+    step's derivative (native_step.c, tangent_rollout). The states at the steps the samples read are recorded and
+    interpolated here, as rollout_tangents does. The windows are split over ``threads`` (default torch's thread
+    count) threads; the C call releases the GIL."""
+    why = tangent_unsuitable(Q0.device.type, Q0.dtype, None, opts, der.EA.dim() != 1)
+    if why is not None:
+        raise ValueError(f"native.rollout_tangents cannot run these tangents: {why}")
+    lib = library(torch.float64)
+    B, _, nf = Q0.shape
+    n = 3 * nf
+    C = SQ0.shape[1]
+    P = 0 if dth is None else dth.EA.shape[-1]
+    Cp = max(TILE, -(-C // TILE) * TILE)
+    f64 = torch.float64
+    model, keep = _model(c, der.batch_last(), dt, opts, f64)
+    dd = _derived_tangents(c, der, dth, P, Cp)
+    tg = _TANGENTS()
+    tg.C, tg.P = Cp, P
+    for k, t in dd.items():
+        t = t.contiguous()
+        keep.append(t)
+        setattr(tg, k, ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_double)))
+    S0 = torch.zeros(B, 2, n, Cp, dtype=f64)
+    S0[:, 0, :, :C] = SQ0.reshape(B, C, n).mT
+    S0[:, 1, :, :C] = SV0.reshape(B, C, n).mT
+    Q0c, V0c = Q0.reshape(B, n).contiguous(), V0.reshape(B, n).contiguous()
+    # the states each window's samples read: after steps k0 and k0 + 1, linearly interpolated
+    k0 = torch.clamp(torch.floor(sample_steps + 1e-9), 0, max(n_steps - 1, 0)).long()
+    wgt = (sample_steps - k0.to(sample_steps.dtype)).clamp(0.0, 1.0)
+    k1 = torch.clamp(k0 + 1, max=n_steps)
+    rec = torch.sort(torch.cat([k0, k1], 1), 1).values.contiguous()              # (B, 2H), ascending per window
+    nrec = rec.shape[1]
+    Qrec = torch.empty(B, nrec, n, dtype=f64)
+    Srec = torch.empty(B, nrec, n, Cp, dtype=f64)
+    A = 0 if u is None else u.shape[-1]
+    u_ = None if u is None else u.to(f64).contiguous()            # (n_steps, B, A)
+    ud_ = None if (u is None or ud is None) else ud.to(f64).contiguous()
+    du_ = None if (u is None or du is None or not P) else du.to(f64).contiguous()    # (n_steps, B, A, P)
+    dud_ = None if (u is None or dud is None or not P) else dud.to(f64).contiguous()
+    fq_ = None if fq is None else fq.to(f64).reshape(fq.shape[0], B, n).contiguous()
+    keep += [S0, Q0c, V0c, rec, u_, ud_, du_, dud_, fq_]
+
+    def at(t, *index):
+        """A pointer to t[index] (None for None)."""
+        if t is None:
+            return None
+        off = sum(i * s for i, s in zip(index, t.stride()))
+        return ctypes.c_void_p(t.data_ptr() + off * t.element_size())
+
+    def run(b):
+        rc = lib.tangent_rollout(
+            ctypes.byref(model), ctypes.byref(tg), ctypes.c_int64(n_steps), at(Q0c, b), at(V0c, b),
+            at(S0, b, 0), at(S0, b, 1), at(u_, 0, b), at(ud_, 0, b), ctypes.c_int64(B * A),
+            at(du_, 0, b), at(dud_, 0, b), ctypes.c_int64(B * A * P), at(fq_, 0, b), ctypes.c_int64(B * n),
+            at(rec, b), ctypes.c_int64(nrec), at(Qrec, b), at(Srec, b))
+        if rc != 0:
+            raise MemoryError("the native tangent kernel could not allocate its working arrays")
+
+    threads = max(1, min(threads or torch.get_num_threads(), B))
+    _on_threads([lambda i=i: [run(b) for b in range(i, B, threads)] for i in range(threads)])
+    del keep
+    # sample h of window b: (1 - w) state[k0] + w state[k0 + 1]; the records are sorted, so find each one's slot
+    i0 = torch.searchsorted(rec, k0.contiguous())
+    i1 = torch.searchsorted(rec, k1.contiguous())
+    bi = torch.arange(B).unsqueeze(1)
+    w1 = wgt.to(f64)
+    outQ = ((1 - w1)[..., None] * Qrec[bi, i0] + w1[..., None] * Qrec[bi, i1]).reshape(B, -1, 3, nf)
+    outS = (1 - w1)[..., None, None] * Srec[bi, i0] + w1[..., None, None] * Srec[bi, i1]       # (B, H, n, Cp)
+    outS = outS[..., :C].transpose(-1, -2).reshape(B, -1, C, 3, nf)
+    return outQ, outS

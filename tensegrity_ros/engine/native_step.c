@@ -360,3 +360,522 @@ int rollout(const Model *m, idx_t B, idx_t b0, idx_t b1, idx_t n, real *Q, real 
     free(mem);
     return 0;
 }
+
+/* ==================================================================================================================
+ * The step's tangent: forward sensitivities of ONE item's rollout in C directions at once (what tangent.py's
+ * rollout_tangents computes with dense transition matrices, for identification's Jacobians). The lanes are the
+ * directions here, not batch items: each step, the primal is stepped once in scalars, keeping what its tangent
+ * needs, then every tile of TB directions goes through the same step differentiated by hand, operation by operation
+ * (the string law, the forces, the bar multipliers with the step's chord inverse, symplectic Euler, the projection
+ * with that inverse, including its dependence on the step-start state and on the masses). Why not the dense
+ * transition matrices: their products cost ~10 Mflop per window and step on the manipulator, ~3x what the step's
+ * own operations on the directions cost, and are issued as ~200 small torch operations per batch of steps.
+ * test/test_engine_native_tangent.py holds it equal to tangent.rollout_tangents (float64) on every nodal structure.
+ * ================================================================================================================== */
+
+typedef struct {
+    idx_t C, P;                                   /* directions (a multiple of TB); the first P are parameters' */
+    /* the per-params quantities' derivatives along the directions, (rows, C) each, zero past P:
+     * EA, kc, zeta, xi00 (S); Y (S * A); z (A); Minv (nf * nf); Pt (nba * nf); Gc (nba * nba); FgT (3 * nf) */
+    const real *dEA, *dkc, *dzeta, *dxi00, *dY, *dz, *dMinv, *dPt, *dGc, *dFgT;
+} Tangents;
+
+/* scalar forms of gather and dense, for the primal (one item, parameters shared) */
+static void sgather(real *out, const real *in, idx_t n_out, idx_t n_in, int ncoord, const idx_t *i, const real *w,
+                    idx_t width)
+{
+    for (int c = 0; c < ncoord; c++)
+        for (idx_t o = 0; o < n_out; o++) {
+            real acc = 0;
+            for (idx_t k = 0; k < width; k++) {
+                const real wk = w[o * width + k];
+                if (wk != 0) acc += wk * in[c * n_in + i[o * width + k]];
+            }
+            out[c * n_out + o] = acc;
+        }
+}
+
+static void sdense(real *out, const real *X, const real *M, idx_t n_in, idx_t n_out)
+{
+    for (int c = 0; c < 3; c++)
+        for (idx_t j = 0; j < n_out; j++) {
+            real acc = 0;
+            for (idx_t i = 0; i < n_in; i++) acc += X[c * n_in + i] * M[i * n_out + j];
+            out[c * n_out + j] = acc;
+        }
+}
+
+/* out (3, n_out) lanes = X (3, n_in) lanes times the scalar M (n_in, n_out); zeros of M skipped */
+static void tdense(lane *out, const lane *X, const real *M, idx_t n_in, idx_t n_out)
+{
+    for (int c = 0; c < 3; c++)
+        for (idx_t j = 0; j < n_out; j++) {
+            real acc[TB] = {0};
+            for (idx_t i = 0; i < n_in; i++) {
+                const real mij = M[i * n_out + j];
+                if (mij == 0) continue;
+                const real *x = X[c * n_in + i];
+                FOR_B acc[b] += x[b] * mij;
+            }
+            memcpy(out[c * n_out + j], acc, sizeof acc);
+        }
+}
+
+/* out (3, n_out) lanes += sign * X (3, n_in) scalar times dM (n_in * n_out rows of the tile's lanes, row stride C) */
+static void tdense_dm(lane *out, const real *X, const real *dM, idx_t C, idx_t n_in, idx_t n_out, real sign)
+{
+    for (int c = 0; c < 3; c++)
+        for (idx_t j = 0; j < n_out; j++) {
+            real acc[TB] = {0};
+            for (idx_t i = 0; i < n_in; i++) {
+                const real x = X[c * n_in + i];
+                if (x == 0) continue;
+                const real *dm = dM + (i * n_out + j) * C;
+                FOR_B acc[b] += x * dm[b];
+            }
+            FOR_B out[c * n_out + j][b] += sign * acc[b];
+        }
+}
+
+/* the primal's working arrays (one item) */
+typedef struct {
+    real *q, *v, *s, *sd, *e, *xi, *xid, *len, *ld, *xi0, *xi0d, *D, *Dd, *kap, *act, *ten, *segt, *tmp, *F, *a0, *a,
+         *d0, *dd0, *ad0, *lam0, *rhs, *Ainv, *blk, *dit, *lamit, *dv, *ddv, *lamv, *ld0;
+} Prim;
+
+/* the tangent's working arrays (one tile of directions) */
+typedef struct {
+    lane *ds, *dsd, *de, *dxi, *dxid, *dlen, *dld, *dten, *dsegt, *dtmp, *dF, *da, *dbar0, *ddd, *dad, *drhs, *dlam,
+         *dAx, *wrk, *dcor, *dbar;
+} TWork;
+
+/* x = Ainv r for lanes r with the scalar block inverse */
+static void tchord_solve(const Model *m, const real *Ainv, lane *x, const lane *r)
+{
+    idx_t off = 0;
+    for (idx_t j = 0; j < m->nblk; j++) {
+        const idx_t *g = m->blk_idx + m->blk_ptr[j];
+        const idx_t k = m->blk_ptr[j + 1] - m->blk_ptr[j];
+        for (idx_t p = 0; p < k; p++) {
+            real acc[TB] = {0};
+            for (idx_t q = 0; q < k; q++) {
+                const real ai = Ainv[off + p * k + q];
+                const real *rq = r[g[q]];
+                FOR_B acc[b] += ai * rq[b];
+            }
+            memcpy(x[g[p]], acc, sizeof acc);
+        }
+        off += k * k;
+    }
+}
+
+/* (dA x)_p = sum over p's block of [dGc_pq (d_p . d_q) + Gc_pq (dd_p . d_q + d_p . dd_q)] x_q: the chord matrix's
+ * tangent at the step start (d, dd: bar vectors and their tangent) applied to the scalar x; dGc NULL when the tile
+ * has no parameter direction */
+static void tchord_dA(const Model *m, lane *out, const real *x, const real *d, const lane *dd, const real *dGc,
+                      idx_t C)
+{
+    const idx_t nba = m->nba;
+    for (idx_t j = 0; j < m->nblk; j++) {
+        const idx_t *g = m->blk_idx + m->blk_ptr[j];
+        const idx_t k = m->blk_ptr[j + 1] - m->blk_ptr[j];
+        for (idx_t p = 0; p < k; p++) {
+            const idx_t bp = g[p];
+            real acc[TB] = {0};
+            for (idx_t q = 0; q < k; q++) {
+                const idx_t bq = g[q];
+                const real gc = m->Gc[bp * nba + bq], xq = x[bq];
+                real dpq = 0;
+                for (int c = 0; c < 3; c++) dpq += d[c * nba + bp] * d[c * nba + bq];
+                const real *dgc = dGc != NULL ? dGc + (bp * nba + bq) * C : NULL;
+                FOR_B {
+                    real v = 0;
+                    for (int c = 0; c < 3; c++)
+                        v += dd[c * nba + bp][b] * d[c * nba + bq] + d[c * nba + bp] * dd[c * nba + bq][b];
+                    acc[b] += (gc * v + (dgc != NULL ? dgc[b] * dpq : 0)) * xq;
+                }
+            }
+            memcpy(out[bp], acc, sizeof acc);
+        }
+    }
+}
+
+/* d (3, nba) = bar vectors at x (scalars) */
+static void sbar_vectors(const Model *m, real *d, const real *x)
+{
+    sgather(d, x, m->nba, m->nf, 3, m->Cbt_i, m->Cbt_w, m->wCbt);
+    for (idx_t r = 0; r < 3 * m->nba; r++) d[r] += m->dcT[r];
+}
+
+/* the scalar chord inverse at the bar vectors p->d0 (chord_inverse's algorithm) */
+static void schord_inverse(const Model *m, Prim *p)
+{
+    idx_t off = 0;
+    const idx_t nba = m->nba;
+    for (idx_t j = 0; j < m->nblk; j++) {
+        const idx_t *g = m->blk_idx + m->blk_ptr[j];
+        const idx_t k = m->blk_ptr[j + 1] - m->blk_ptr[j], w = 2 * k;
+        real *M = p->blk;
+        for (idx_t a = 0; a < k; a++)
+            for (idx_t b = 0; b < k; b++) {
+                real dot = 0;
+                for (int c = 0; c < 3; c++) dot += p->d0[c * nba + g[a]] * p->d0[c * nba + g[b]];
+                M[a * w + b] = m->Gc[g[a] * nba + g[b]] * dot;
+                M[a * w + k + b] = a == b;
+            }
+        for (idx_t r = 0; r < k; r++) {
+            const real inv = 1 / M[r * w + r];
+            for (idx_t col = 0; col < w; col++) M[r * w + col] *= inv;
+            for (idx_t a = 0; a < k; a++) {
+                if (a == r) continue;
+                const real f = M[a * w + r];
+                for (idx_t col = 0; col < w; col++) M[a * w + col] -= f * M[r * w + col];
+            }
+        }
+        for (idx_t a = 0; a < k; a++)
+            for (idx_t b = 0; b < k; b++) p->Ainv[off + a * k + b] = M[a * w + k + b];
+        off += k * k;
+    }
+}
+
+static void schord_solve(const Model *m, const real *Ainv, real *x, const real *r)
+{
+    idx_t off = 0;
+    for (idx_t j = 0; j < m->nblk; j++) {
+        const idx_t *g = m->blk_idx + m->blk_ptr[j];
+        const idx_t k = m->blk_ptr[j + 1] - m->blk_ptr[j];
+        for (idx_t a = 0; a < k; a++) {
+            real acc = 0;
+            for (idx_t b = 0; b < k; b++) acc += Ainv[off + a * k + b] * r[g[b]];
+            x[g[a]] = acc;
+        }
+        off += k * k;
+    }
+}
+
+/* x (3 nf) -= (y * d) Pt, scalars; wrk (3 nba) and out (3 nf) scratch */
+static void sbar_correction(const Model *m, real *x, const real *y, const real *d, real *wrk, real *out)
+{
+    const idx_t nba = m->nba;
+    for (int c = 0; c < 3; c++)
+        for (idx_t j = 0; j < nba; j++) wrk[c * nba + j] = y[j] * d[c * nba + j];
+    sdense(out, wrk, m->Pt, nba, m->nf);
+    for (idx_t r = 0; r < 3 * m->nf; r++) x[r] -= out[r];
+}
+
+/* one semi-implicit step of the primal (the step() above, in scalars), keeping what the tangent needs */
+static void pstep(const Model *m, Prim *p, const real *u, const real *ud, const real *fq)
+{
+    const idx_t nf = m->nf, nseg = m->nseg, S = m->S, A = m->A, nba = m->nba;
+    sgather(p->s, p->q, nseg, nf, 3, m->Cst_i, m->Cst_w, m->wCst);
+    sgather(p->sd, p->v, nseg, nf, 3, m->Cst_i, m->Cst_w, m->wCst);
+    for (idx_t j = 0; j < nseg; j++) {
+        const real x0 = p->s[j] + m->scT[j], x1 = p->s[nseg + j] + m->scT[nseg + j],
+                   x2 = p->s[2 * nseg + j] + m->scT[2 * nseg + j];
+        const real l = sqrt(x0 * x0 + x1 * x1 + x2 * x2);
+        p->e[j] = x0 / l; p->e[nseg + j] = x1 / l; p->e[2 * nseg + j] = x2 / l;
+        p->xi[j] = l;
+        p->xid[j] = p->e[j] * p->sd[j] + p->e[nseg + j] * p->sd[nseg + j] + p->e[2 * nseg + j] * p->sd[2 * nseg + j];
+    }
+    sgather(p->len, p->xi, S, nseg, 1, m->G_i, m->G_w, m->wG);
+    sgather(p->ld, p->xid, S, nseg, 1, m->G_i, m->G_w, m->wG);
+    for (idx_t j = 0; j < S; j++) {
+        real xi0 = m->xi00[j], xi0d = 0;
+        if (u != NULL)
+            for (idx_t k = 0; k < A; k++) {
+                xi0 += m->Y[j * A + k] * (u[k] - m->z[k]);
+                if (ud != NULL) xi0d += m->Y[j * A + k] * ud[k];
+            }
+        const real D = p->len[j] - xi0, Dd = p->ld[j] - xi0d;
+        const real kappa = m->EA[j] / xi0 + m->kc[j];
+        const real f = kappa * D + m->zeta[j] * Dd;
+        p->xi0[j] = xi0; p->xi0d[j] = xi0d; p->D[j] = D; p->Dd[j] = Dd; p->kap[j] = kappa;
+        p->act[j] = D > 0 && f > 0;
+        p->ten[j] = p->act[j] ? f : 0;
+    }
+    sgather(p->segt, p->ten, nseg, S, 1, m->Gt_i, m->Gt_w, m->wGt);
+    for (int c = 0; c < 3; c++)
+        for (idx_t j = 0; j < nseg; j++) p->tmp[c * nseg + j] = p->segt[j] * p->e[c * nseg + j];
+    sgather(p->F, p->tmp, nf, nseg, 3, m->Csq_i, m->Csq_w, m->wCsq);
+    for (idx_t r = 0; r < 3 * nf; r++) p->F[r] = m->FgT[r] - p->F[r] + (fq != NULL ? fq[r] : 0);
+    sdense(p->a0, p->F, m->Minv, nf, nf);
+    const real *acc = p->a0;
+    if (nba > 0) {
+        sbar_vectors(m, p->d0, p->q);
+        sgather(p->dd0, p->v, nba, nf, 3, m->Cbt_i, m->Cbt_w, m->wCbt);
+        sgather(p->ad0, p->a0, nba, nf, 3, m->Cbt_i, m->Cbt_w, m->wCbt);
+        for (idx_t j = 0; j < nba; j++) {
+            real dd2 = 0, dad = 0, ddd = 0, d2 = 0;
+            for (int c = 0; c < 3; c++) {
+                const real dc = p->d0[c * nba + j], ddc = p->dd0[c * nba + j];
+                dd2 += ddc * ddc; dad += dc * p->ad0[c * nba + j]; ddd += dc * ddc; d2 += dc * dc;
+            }
+            p->rhs[j] = -dd2 - dad - 2 * m->alpha * ddd - m->beta * m->beta * (0.5 * (d2 - m->l2[j]));
+        }
+        schord_inverse(m, p);
+        schord_solve(m, p->Ainv, p->lam0, p->rhs);
+        for (int c = 0; c < 3; c++)
+            for (idx_t j = 0; j < nba; j++) p->ld0[c * nba + j] = p->lam0[j] * p->d0[c * nba + j];
+        sdense(p->a, p->ld0, m->Pt, nba, nf);
+        for (idx_t r = 0; r < 3 * nf; r++) p->a[r] += p->a0[r];
+        acc = p->a;
+    }
+    for (idx_t r = 0; r < 3 * nf; r++) {
+        p->v[r] += m->dt * acc[r];
+        p->q[r] += m->dt * p->v[r];
+    }
+    if (nba == 0 || m->proj_iters <= 0) return;
+    for (idx_t it = 0; it < m->proj_iters; it++) {
+        real *d = p->dit + it * 3 * nba, *lam = p->lamit + it * nba;
+        sbar_vectors(m, d, p->q);
+        for (idx_t j = 0; j < nba; j++) {
+            real d2 = 0;
+            for (int c = 0; c < 3; c++) d2 += d[c * nba + j] * d[c * nba + j];
+            p->rhs[j] = 0.5 * (d2 - m->l2[j]);
+        }
+        schord_solve(m, p->Ainv, lam, p->rhs);
+        sbar_correction(m, p->q, lam, d, p->tmp, p->tmp + 3 * nba);
+    }
+    sbar_vectors(m, p->dv, p->q);
+    sgather(p->ddv, p->v, nba, nf, 3, m->Cbt_i, m->Cbt_w, m->wCbt);
+    for (idx_t j = 0; j < nba; j++) {
+        real dot = 0;
+        for (int c = 0; c < 3; c++) dot += p->dv[c * nba + j] * p->ddv[c * nba + j];
+        p->rhs[j] = dot;
+    }
+    schord_solve(m, p->Ainv, p->lamv, p->rhs);
+    sbar_correction(m, p->v, p->lamv, p->dv, p->tmp, p->tmp + 3 * nba);
+}
+
+/* the tangent of a bar correction x -= (y d) Pt, or of the multipliers' acceleration x += (y d) Pt (sign -1 or +1):
+ * dx += sign [(dy d + y dd) Pt + (y d) dPt] (dPt NULL: no parameter direction in the tile); yd: y * d (3 nba) */
+static void tbar_update(const Model *m, const Tangents *tg, TWork *w, lane *dx, const lane *dy, const real *y,
+                        const real *d, const lane *dd, const real *yd, const real *dPt, real sign)
+{
+    const idx_t nba = m->nba, nf = m->nf;
+    for (int c = 0; c < 3; c++)
+        for (idx_t j = 0; j < nba; j++) {
+            const real dj = d[c * nba + j], yj = y[j];
+            const real *dyj = dy[j], *ddj = dd[c * nba + j];
+            FOR_B w->wrk[c * nba + j][b] = dyj[b] * dj + yj * ddj[b];
+        }
+    tdense(w->dcor, w->wrk, m->Pt, nba, nf);
+    if (dPt != NULL) tdense_dm(w->dcor, yd, dPt, tg->C, nba, nf, 1);
+    for (idx_t r = 0; r < 3 * nf; r++) FOR_B dx[r][b] += sign * w->dcor[r][b];
+}
+
+/* the tangent of pstep for one tile of directions (col0 = its first direction): dq, dv (3 nf lanes) in place.
+ * du, dud: this step's motor-angle and rate tangents, (A, P) rows (direction p at [a * P + p]), or NULL */
+static void tstep(const Model *m, const Tangents *tg, const Prim *p, TWork *w, lane *dq, lane *dv, idx_t col0,
+                  const real *u, const real *ud, const real *du, const real *dud)
+{
+    const idx_t nf = m->nf, nseg = m->nseg, S = m->S, A = m->A, nba = m->nba, C = tg->C, P = tg->P;
+    const int par = col0 < P;                     /* does the tile hold parameter directions? */
+#define DT_(arr, r) (tg->arr + (r) * C + col0)
+    gather(w->ds, dq, nseg, nf, 3, m->Cst_i, m->Cst_w, m->wCst);
+    gather(w->dsd, dv, nseg, nf, 3, m->Cst_i, m->Cst_w, m->wCst);
+    for (idx_t j = 0; j < nseg; j++) {
+        const real e0 = p->e[j], e1 = p->e[nseg + j], e2 = p->e[2 * nseg + j], il = 1 / p->xi[j];
+        const real s0 = p->sd[j], s1 = p->sd[nseg + j], s2 = p->sd[2 * nseg + j];
+        lane *x0 = &w->ds[j], *x1 = &w->ds[nseg + j], *x2 = &w->ds[2 * nseg + j];
+        lane *v0 = &w->dsd[j], *v1 = &w->dsd[nseg + j], *v2 = &w->dsd[2 * nseg + j];
+        FOR_B {
+            const real dl = e0 * (*x0)[b] + e1 * (*x1)[b] + e2 * (*x2)[b];
+            const real f0 = ((*x0)[b] - e0 * dl) * il, f1 = ((*x1)[b] - e1 * dl) * il, f2 = ((*x2)[b] - e2 * dl) * il;
+            w->de[j][b] = f0; w->de[nseg + j][b] = f1; w->de[2 * nseg + j][b] = f2;
+            w->dxi[j][b] = dl;
+            w->dxid[j][b] = f0 * s0 + f1 * s1 + f2 * s2 + e0 * (*v0)[b] + e1 * (*v1)[b] + e2 * (*v2)[b];
+        }
+    }
+    gather(w->dlen, w->dxi, S, nseg, 1, m->G_i, m->G_w, m->wG);
+    gather(w->dld, w->dxid, S, nseg, 1, m->G_i, m->G_w, m->wG);
+    for (idx_t j = 0; j < S; j++) {
+        if (!p->act[j]) { FOR_B w->dten[j][b] = 0; continue; }
+        real dxi0[TB], dxi0d[TB];
+        FOR_B { dxi0[b] = 0; dxi0d[b] = 0; }
+        if (par) { const real *x = DT_(dxi00, j); FOR_B dxi0[b] = x[b]; }
+        if (u != NULL)
+            for (idx_t k = 0; k < A; k++) {
+                const real y = m->Y[j * A + k];
+                if (par) {
+                    const real *dy = DT_(dY, j * A + k), *dz = DT_(dz, k);
+                    const real um = u[k] - m->z[k], udk = ud != NULL ? ud[k] : 0;
+                    FOR_B { dxi0[b] += dy[b] * um - y * dz[b]; dxi0d[b] += dy[b] * udk; }
+                }
+                if (y == 0) continue;
+                if (du != NULL && par) FOR_B dxi0[b] += y * (col0 + b < P ? du[k * P + col0 + b] : 0);
+                if (dud != NULL && par) FOR_B dxi0d[b] += y * (col0 + b < P ? dud[k * P + col0 + b] : 0);
+            }
+        const real xi0 = p->xi0[j], EA = m->EA[j], kap = p->kap[j], D = p->D[j], Dd = p->Dd[j], zeta = m->zeta[j];
+        const real *dl = w->dlen[j], *dld = w->dld[j];
+        if (par) {
+            const real *dEA = DT_(dEA, j), *dkc = DT_(dkc, j), *dzeta = DT_(dzeta, j);
+            FOR_B {
+                const real dkap = dEA[b] / xi0 - EA * dxi0[b] / (xi0 * xi0) + dkc[b];
+                w->dten[j][b] = dkap * D + kap * (dl[b] - dxi0[b]) + dzeta[b] * Dd + zeta * (dld[b] - dxi0d[b]);
+            }
+        } else {
+            FOR_B {
+                const real dkap = -EA * dxi0[b] / (xi0 * xi0);
+                w->dten[j][b] = dkap * D + kap * (dl[b] - dxi0[b]) + zeta * (dld[b] - dxi0d[b]);
+            }
+        }
+    }
+    gather(w->dsegt, w->dten, nseg, S, 1, m->Gt_i, m->Gt_w, m->wGt);
+    for (int c = 0; c < 3; c++)
+        for (idx_t j = 0; j < nseg; j++) {
+            const real st = p->segt[j], ec = p->e[c * nseg + j];
+            FOR_B w->dtmp[c * nseg + j][b] = w->dsegt[j][b] * ec + st * w->de[c * nseg + j][b];
+        }
+    gather(w->dF, w->dtmp, nf, nseg, 3, m->Csq_i, m->Csq_w, m->wCsq);
+    for (idx_t r = 0; r < 3 * nf; r++) {
+        if (par) { const real *g = DT_(dFgT, r); FOR_B w->dF[r][b] = g[b] - w->dF[r][b]; }
+        else FOR_B w->dF[r][b] = -w->dF[r][b];
+    }
+    tdense(w->da, w->dF, m->Minv, nf, nf);
+    if (par) tdense_dm(w->da, p->F, DT_(dMinv, 0), C, nf, nf, 1);
+    const real *dGc = par ? DT_(dGc, 0) : NULL, *dPt = par ? DT_(dPt, 0) : NULL;
+    if (nba > 0) {
+        gather(w->dbar0, dq, nba, nf, 3, m->Cbt_i, m->Cbt_w, m->wCbt);
+        gather(w->ddd, dv, nba, nf, 3, m->Cbt_i, m->Cbt_w, m->wCbt);
+        gather(w->dad, w->da, nba, nf, 3, m->Cbt_i, m->Cbt_w, m->wCbt);
+        const real al = m->alpha, be2 = m->beta * m->beta;
+        for (idx_t j = 0; j < nba; j++) {
+            real acc[TB] = {0};
+            for (int c = 0; c < 3; c++) {
+                const real dc = p->d0[c * nba + j], ddc = p->dd0[c * nba + j], adc = p->ad0[c * nba + j];
+                const real *x = w->dbar0[c * nba + j], *xd = w->ddd[c * nba + j], *xa = w->dad[c * nba + j];
+                FOR_B acc[b] += -2 * ddc * xd[b] - (x[b] * adc + dc * xa[b]) - 2 * al * (x[b] * ddc + dc * xd[b])
+                                - be2 * dc * x[b];
+            }
+            memcpy(w->drhs[j], acc, sizeof acc);
+        }
+        tchord_dA(m, w->dAx, p->lam0, p->d0, w->dbar0, dGc, C);
+        for (idx_t j = 0; j < nba; j++) FOR_B w->drhs[j][b] -= w->dAx[j][b];
+        tchord_solve(m, p->Ainv, w->dlam, w->drhs);
+        tbar_update(m, tg, w, w->da, w->dlam, p->lam0, p->d0, w->dbar0, p->ld0, dPt, 1);   /* (lam0 d0) Pt's */
+    }
+    for (idx_t r = 0; r < 3 * nf; r++)
+        FOR_B {
+            dv[r][b] += m->dt * w->da[r][b];
+            dq[r][b] += m->dt * dv[r][b];
+        }
+    if (nba == 0 || m->proj_iters <= 0) return;
+    real *yd = p->tmp;                 /* y * d in scalars (3 nba) */
+    for (idx_t it = 0; it < m->proj_iters; it++) {
+        const real *d = p->dit + it * 3 * nba, *lam = p->lamit + it * nba;
+        gather(w->dbar, dq, nba, nf, 3, m->Cbt_i, m->Cbt_w, m->wCbt);
+        for (idx_t j = 0; j < nba; j++) {
+            real acc[TB] = {0};
+            for (int c = 0; c < 3; c++) {
+                const real dc = d[c * nba + j];
+                const real *x = w->dbar[c * nba + j];
+                FOR_B acc[b] += dc * x[b];
+            }
+            memcpy(w->drhs[j], acc, sizeof acc);
+        }
+        tchord_dA(m, w->dAx, lam, p->d0, w->dbar0, dGc, C);
+        for (idx_t j = 0; j < nba; j++) FOR_B w->drhs[j][b] -= w->dAx[j][b];
+        tchord_solve(m, p->Ainv, w->dlam, w->drhs);
+        for (int c = 0; c < 3; c++)
+            for (idx_t j = 0; j < nba; j++) yd[c * nba + j] = lam[j] * d[c * nba + j];
+        tbar_update(m, tg, w, dq, w->dlam, lam, d, w->dbar, yd, dPt, -1);
+    }
+    gather(w->dbar, dq, nba, nf, 3, m->Cbt_i, m->Cbt_w, m->wCbt);
+    gather(w->ddd, dv, nba, nf, 3, m->Cbt_i, m->Cbt_w, m->wCbt);
+    for (idx_t j = 0; j < nba; j++) {
+        real acc[TB] = {0};
+        for (int c = 0; c < 3; c++) {
+            const real dc = p->dv[c * nba + j], ddc = p->ddv[c * nba + j];
+            const real *x = w->dbar[c * nba + j], *xd = w->ddd[c * nba + j];
+            FOR_B acc[b] += x[b] * ddc + dc * xd[b];
+        }
+        memcpy(w->drhs[j], acc, sizeof acc);
+    }
+    tchord_dA(m, w->dAx, p->lamv, p->d0, w->dbar0, dGc, C);
+    for (idx_t j = 0; j < nba; j++) FOR_B w->drhs[j][b] -= w->dAx[j][b];
+    tchord_solve(m, p->Ainv, w->dlam, w->drhs);
+    for (int c = 0; c < 3; c++)
+        for (idx_t j = 0; j < nba; j++) yd[c * nba + j] = p->lamv[j] * p->dv[c * nba + j];
+    tbar_update(m, tg, w, dv, w->dlam, p->lamv, p->dv, w->dbar, yd, dPt, -1);
+#undef DT_
+}
+
+/* n steps of one item with C directions (the parameters shared: Model.pB == 1).
+ * q0, v0 (3 nf); S0q, S0v (3 nf, C): the start and its tangents. u, ud: step k's motor angles and rates at
+ * [k * u_sk], (A) each, or NULL; du, dud: step k's tangents at [k * du_sk], (A, P) each, or NULL; fq: step k's
+ * reduced external forces at [k * fq_sk], (3 nf), or NULL. rec (nrec, ascending): the states to record (0 the start,
+ * k the state after step k); Qrec (nrec, 3 nf), Srec (nrec, 3 nf, C). Returns 0, or -1 when out of memory. */
+int tangent_rollout(const Model *m, const Tangents *tg, idx_t n, const real *q0, const real *v0, const real *S0q,
+                    const real *S0v, const real *u, const real *ud, idx_t u_sk, const real *du, const real *dud,
+                    idx_t du_sk, const real *fq, idx_t fq_sk, const idx_t *rec, idx_t nrec, real *Qrec, real *Srec)
+{
+    const idx_t nf = m->nf, nseg = m->nseg, S = m->S, nba = m->nba, C = tg->C, nt = C / TB;
+    const idx_t its = m->proj_iters > 0 ? m->proj_iters : 0;
+    idx_t ainv_size = 0, mx = 0;
+    for (idx_t j = 0; j < m->nblk; j++) {
+        const idx_t k = m->blk_ptr[j + 1] - m->blk_ptr[j];
+        ainv_size += k * k;
+        if (k > mx) mx = k;
+    }
+    const idx_t big = 3 * nseg > 3 * nf ? 3 * nseg : 3 * nf;
+    /* tmp: the forces' segment products (3 nseg), a bar correction's (3 nba + 3 nf), the tangent's y d (3 nba) */
+    const idx_t ntmp = big > 3 * nba + 3 * nf ? big : 3 * nba + 3 * nf;
+    /* scalars of the primal */
+    const size_t np = 2 * 3 * nf + 3 * 3 * nseg + 3 * nseg + 9 * S + ntmp + 3 * 3 * nf + 5 * 3 * nba + 2 * nba
+                      + ainv_size + 2 * mx * mx + its * 4 * nba + nba + 3 * nba;
+    real *pm = calloc(np, sizeof(real));
+    /* lanes: the tangent state (2 * 3 nf per tile) and one tile's work */
+    const size_t nw = 3 * 3 * nseg + 3 * nseg + 3 * S + ntmp + 2 * 3 * nf + 5 * 3 * nba + 3 * nba + 3 * nf;
+    lane *lm = aligned_alloc(64, (2 * 3 * nf * nt + nw) * sizeof(lane));
+    if (pm == NULL || lm == NULL) { free(pm); free(lm); return -1; }
+    Prim p;
+    real *x = pm;
+#define TAKE(f, k) (p.f = x, x += (k))
+    TAKE(q, 3 * nf); TAKE(v, 3 * nf); TAKE(s, 3 * nseg); TAKE(sd, 3 * nseg); TAKE(e, 3 * nseg);
+    TAKE(xi, nseg); TAKE(xid, nseg); TAKE(segt, nseg);
+    TAKE(len, S); TAKE(ld, S); TAKE(xi0, S); TAKE(xi0d, S); TAKE(D, S); TAKE(Dd, S); TAKE(kap, S); TAKE(act, S);
+    TAKE(ten, S);
+    TAKE(tmp, ntmp); TAKE(F, 3 * nf); TAKE(a0, 3 * nf); TAKE(a, 3 * nf);
+    TAKE(d0, 3 * nba); TAKE(dd0, 3 * nba); TAKE(ad0, 3 * nba); TAKE(dv, 3 * nba); TAKE(ddv, 3 * nba);
+    TAKE(lam0, nba); TAKE(rhs, nba); TAKE(Ainv, ainv_size); TAKE(blk, 2 * mx * mx);
+    TAKE(dit, its * 3 * nba); TAKE(lamit, its * nba); TAKE(lamv, nba); TAKE(ld0, 3 * nba);
+#undef TAKE
+    TWork w;
+    lane *y = lm + 2 * 3 * nf * nt;
+#define TAKE(f, k) (w.f = y, y += (k))
+    TAKE(ds, 3 * nseg); TAKE(dsd, 3 * nseg); TAKE(de, 3 * nseg); TAKE(dxi, nseg); TAKE(dxid, nseg);
+    TAKE(dsegt, nseg); TAKE(dlen, S); TAKE(dld, S); TAKE(dten, S); TAKE(dtmp, ntmp); TAKE(dF, 3 * nf);
+    TAKE(da, 3 * nf); TAKE(dbar0, 3 * nba); TAKE(ddd, 3 * nba); TAKE(dad, 3 * nba); TAKE(wrk, 3 * nba);
+    TAKE(dbar, 3 * nba); TAKE(drhs, nba); TAKE(dlam, nba); TAKE(dAx, nba); TAKE(dcor, 3 * nf);
+#undef TAKE
+    memcpy(p.q, q0, 3 * nf * sizeof(real));
+    memcpy(p.v, v0, 3 * nf * sizeof(real));
+    for (idx_t t = 0; t < nt; t++)
+        for (idx_t r = 0; r < 3 * nf; r++) {
+            lane *tq = lm + t * 2 * 3 * nf, *tv = tq + 3 * nf;
+            FOR_B { tq[r][b] = S0q[r * C + t * TB + b]; tv[r][b] = S0v[r * C + t * TB + b]; }
+        }
+    idx_t at = 0;
+    for (idx_t k = 0;; k++) {
+        while (at < nrec && rec[at] == k) {                     /* the state after step k (k = 0: the start) */
+            memcpy(Qrec + at * 3 * nf, p.q, 3 * nf * sizeof(real));
+            for (idx_t t = 0; t < nt; t++) {
+                const lane *tq = lm + t * 2 * 3 * nf;
+                for (idx_t r = 0; r < 3 * nf; r++) memcpy(Srec + (at * 3 * nf + r) * C + t * TB, tq[r], sizeof(lane));
+            }
+            at++;
+        }
+        if (k == n) break;
+        const real *uk = u != NULL ? u + k * u_sk : NULL, *udk = u != NULL && ud != NULL ? ud + k * u_sk : NULL;
+        pstep(m, &p, uk, udk, fq != NULL ? fq + k * fq_sk : NULL);
+        for (idx_t t = 0; t < nt; t++) {
+            lane *tq = lm + t * 2 * 3 * nf, *tv = tq + 3 * nf;
+            tstep(m, tg, &p, &w, tq, tv, t * TB, uk, udk, du != NULL && uk != NULL ? du + k * du_sk : NULL,
+                  dud != NULL && uk != NULL ? dud + k * du_sk : NULL);
+        }
+    }
+    free(pm);
+    free(lm);
+    return 0;
+}

@@ -147,13 +147,15 @@ def paired_verdict(mean: float, se: float, margin_sigma: float, min_relative: fl
 #: from 17.9 to 17.8 standard errors and the string-law check's was the same to every printed digit, while the
 #: start fits took 24.5 s instead of 33.1 s (identify 116 s instead of 132 s, 2026-11-28, 2-core machine).
 #: (The fit's own Jacobians stay in the fit's dtype: see :attr:`~.refine.RefineOptions.tangent_dtype`.)
+#: Where the step's tangent fused in C runs (float64 only, :func:`..engine.native.rollout_tangents`), the start
+#: fits take float64 columns from it instead: faster than the dense model's float32 ones, and exact.
 START_FIT_TANGENT_DTYPE = torch.float32
 
 
 def fitted_start_mse(prob: RefineProblem, params: Params, delay_s: float = 0.0, iterations: int = 3) -> np.ndarray:
     """(B,) mean squared 3-D position error (m^2) of ``params`` on each window of ``prob`` after fitting only that
     window's start (positions and velocities of the free nodes; Gauss-Newton, ``iterations`` steps with the start
-    columns in :data:`START_FIT_TANGENT_DTYPE`, the stage-2 truncation :data:`~.refine.X0_RCOND`): the parameters
+    columns in :data:`START_FIT_TANGENT_DTYPE` or from the native kernel in float64, the stage-2 truncation :data:`~.refine.X0_RCOND`): the parameters
     are judged, not the noise of a measured start (open loop from the measured starts the 1-mm marker noise alone
     gave ~10 mm over 0.2 s on the hoist)."""
     from .refine import X0_RCOND
@@ -168,11 +170,12 @@ def fitted_start_mse(prob: RefineProblem, params: Params, delay_s: float = 0.0, 
         m = (r * r).sum(dim=(1, 2, 3)) / n
         return torch.where(torch.isfinite(m), m, torch.full_like(m, math.inf))
 
+    tangent_dtype = None if p._native_tangents() else START_FIT_TANGENT_DTYPE
     with torch.no_grad():
         cur = mse_of(x0)
         for _ in range(max(int(iterations), 0)):
             # the starts' columns alone (the parameters are held)
-            r, _, Je = p.jacobian_blocks(w, x0, "auto", START_FIT_TANGENT_DTYPE, True)
+            r, _, Je = p.jacobian_blocks(w, x0, "auto", tangent_dtype, True)
             r = torch.nan_to_num(r, nan=0.0, posinf=0.0, neginf=0.0)
             step = torch.stack([torch.linalg.pinv(Je[k], rtol=X0_RCOND) @ r[k] for k in range(p.B_win)]
                                ).reshape(x0.shape)

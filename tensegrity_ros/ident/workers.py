@@ -49,11 +49,19 @@ def _to_numpy(x):
     return None if x is None else x.detach().cpu().numpy()
 
 
+def _to_torch(x):
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+
+
+def _ready() -> bool:
+    return True
+
+
 def _evaluate(method: str, idx: List[int], args: tuple):
     global _SHARE
     if _SHARE is None or _SHARE.window_ids != [_PROBLEM.window_ids[i] for i in idx]:
         _SHARE = _PROBLEM.subset(idx)
-    return _to_numpy(getattr(_SHARE, method)(*args))
+    return _to_numpy(getattr(_SHARE, method)(*(_to_torch(a) for a in args)))
 
 
 def _concat(parts: list):
@@ -99,12 +107,21 @@ class WindowWorkers:
         self.failure: Optional[str] = None
         self._pools = [ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"), initializer=_adopt,
                                            initargs=(problem,)) for _ in self.shares]
+        # Each pool forks its process on its first call. Made to answer one after another here, each fork happens
+        # while the pools before it are idle, never while one of their threads is feeding a call into a pipe (a
+        # lock held at a fork stays held in the child). Why: 3 of ~40 runs of
+        # test_engine_tangent.py hung in its window-worker test at the first call, a worker never answering (stop 53)
+        for pool in self._pools:
+            pool.submit(_ready).result()
 
     def map(self, method: str, w: torch.Tensor, x0: Optional[torch.Tensor], *rest):
         """``problem.<method>(w, x0, *rest)`` with the windows spread over the workers; results are
         concatenated along the window axis (a tuple's items each, ``None`` items kept)."""
+        # numpy arrays through the pipes, not torch tensors: torch pickles a tensor into shared memory whose file
+        # descriptor a thread of this process then serves to the child (multiprocessing's resource sharer)
         w, x0 = w.detach(), None if x0 is None else x0.detach()          # (on the CPU: see can_fork)
-        futures = [pool.submit(_evaluate, method, idx, (w, None if x0 is None else x0[idx], *rest))
+        wn, xn = w.cpu().numpy(), None if x0 is None else x0.cpu().numpy()
+        futures = [pool.submit(_evaluate, method, idx, (wn, None if xn is None else xn[idx], *rest))
                    for pool, idx in zip(self._pools, self.shares)]
         try:
             parts = [f.result() for f in futures]
