@@ -155,9 +155,9 @@ START_FIT_TANGENT_DTYPE = torch.float32
 def fitted_start_mse(prob: RefineProblem, params: Params, delay_s: float = 0.0, iterations: int = 3) -> np.ndarray:
     """(B,) mean squared 3-D position error (m^2) of ``params`` on each window of ``prob`` after fitting only that
     window's start (positions and velocities of the free nodes; Gauss-Newton, ``iterations`` steps with the start
-    columns in :data:`START_FIT_TANGENT_DTYPE` or from the native kernel in float64, the stage-2 truncation :data:`~.refine.X0_RCOND`): the parameters
-    are judged, not the noise of a measured start (open loop from the measured starts the 1-mm marker noise alone
-    gave ~10 mm over 0.2 s on the hoist)."""
+    columns in :data:`START_FIT_TANGENT_DTYPE` or from the native kernel in float64, the stage-2 truncation
+    :data:`~.refine.X0_RCOND`): the parameters are judged, not the noise of a measured start (open loop from the
+    measured starts the 1-mm marker noise alone gave ~10 mm over 0.2 s on the hoist)."""
     from .refine import X0_RCOND
     p = prob.with_params(params, delay_s)
     w = p.initial_w(float(delay_s))

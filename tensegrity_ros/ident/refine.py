@@ -881,8 +881,9 @@ class RefineProblem:
     def _native_tangents(self) -> bool:
         """Whether the tangent Jacobians run the step's tangent fused in C (:func:`..engine.native.rollout_tangents`,
         which steps its own primal: nothing to keep for it)."""
-        from ..engine import native
-        return native.tangent_unsuitable(self.device.type, self.dtype, None, self.engine.options) is None
+        from ..engine import native, tangent
+        return (tangent.supports(self.engine)
+                and native.tangent_unsuitable(self.device.type, self.dtype, None, self.engine.options) is None)
 
     def _kept_primal(self, w: torch.Tensor, x0: Optional[torch.Tensor]):
         """The states :meth:`residuals` kept at exactly (w, x0) for this problem, or None."""

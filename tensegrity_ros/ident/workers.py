@@ -109,7 +109,7 @@ class WindowWorkers:
                                            initargs=(problem,)) for _ in self.shares]
         # Each pool forks its process on its first call. Made to answer one after another here, each fork happens
         # while the pools before it are idle, never while one of their threads is feeding a call into a pipe (a
-        # lock held at a fork stays held in the child). Why: 3 of ~40 runs of
+        # lock held at a fork stays held in the child). Why: 4 of ~40 runs of
         # test_engine_tangent.py hung in its window-worker test at the first call, a worker never answering (stop 53)
         for pool in self._pools:
             pool.submit(_ready).result()
