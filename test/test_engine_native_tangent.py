@@ -2,9 +2,10 @@
 the tangent-linear model it stands in for (engine/tangent.py, itself held to forward-mode AD through the engine by
 test_engine_tangent.py): every direction at once, float64.
 
-On every nodal structure of config/models and the test structures with what those lack (constraints, both string
-laws), with motors, their rates and external forces, with the motor-angle tangents of a delay, several windows,
-fractional sample steps, one and two threads; and stage 2's Jacobian blocks with the kernel on and off."""
+On the icosahedron and the manipulator of config/models and the test structures with what those lack (constraints,
+both string laws), with motors, their rates and external forces, with the motor-angle tangents of a delay, several
+windows, fractional sample steps, one and two threads. Stage 2's Jacobian blocks with the kernel on and off:
+test_engine_tangent.py."""
 from __future__ import annotations
 
 import numpy as np

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from ..paths import REPO_ROOT
+from . import tangent
 from .laws import NodalConstants, Options
 from .params import Params
 
@@ -223,8 +224,6 @@ def _on_threads(jobs) -> None:
             raise e
 
 
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # the step's tangent (native_step.c, tangent_rollout): identification's Jacobians
 # ---------------------------------------------------------------------------------------------------------------------
@@ -256,32 +255,22 @@ def tangent_unsuitable(device_type: str, dtype: torch.dtype, tangent_dtype: Opti
 
 def _derived_tangents(c: NodalConstants, der, dth, P: int, C: int) -> dict:
     """The per-params quantities' derivatives along the P parameter directions, as the kernel reads them: (rows, C)
-    each, zero past P. Those of the mass matrix's inverse and what follows from it (Pt, Gc, the weights) from
-    dth.mass: dMinv = -Minv dM_q Minv."""
-    dt = torch.float64
-
-    def rows(x, n_rows):                               # (..., P) -> (n_rows, C)
-        out = torch.zeros(n_rows, C, dtype=dt)
-        if P:
-            out[:, :P] = x.reshape(n_rows, P)
-        return out
-
+    each, zero past P. The mass-derived ones from :func:`.tangent._mass_tangents` (Pt, Gc, the weights; and
+    dMinv = -Minv dM_q Minv, which the dense model folds into its products)."""
     S, A = der.Y.shape
     nf = der.Minv.shape[-1]
     nba = der.Pt.shape[0]
-    if P:
-        dMq = torch.einsum("bp,bij->ijp", dth.mass, c.E_q)
-        dMinv = -torch.einsum("ik,klp,lj->ijp", der.Minv, dMq, der.Minv)
-        dPt = torch.einsum("bi,ijp->bjp", c.Cb_q, dMinv)
-        dGc = torch.einsum("bip,ig->bgp", dPt, c.Cbt)
-        dFgT = c.gravity.reshape(3, 1, 1) * (c.WqT.mT @ dth.mass).unsqueeze(0)
-        src = dict(dEA=dth.EA, dkc=dth.kc, dzeta=dth.zeta, dxi00=dth.xi00, dY=dth.Y, dz=dth.z, dMinv=dMinv,
-                   dPt=dPt, dGc=dGc, dFgT=dFgT)
-    else:
-        src = dict.fromkeys(("dEA", "dkc", "dzeta", "dxi00", "dY", "dz", "dMinv", "dPt", "dGc", "dFgT"))
     n_rows = dict(dEA=S, dkc=S, dzeta=S, dxi00=S, dY=S * A, dz=A, dMinv=nf * nf, dPt=nba * nf, dGc=nba * nba,
                   dFgT=3 * nf)
-    return {k: rows(src[k], n_rows[k]) for k in n_rows}
+    out = {k: torch.zeros(n, C, dtype=torch.float64) for k, n in n_rows.items()}
+    if P:
+        mt = tangent._mass_tangents(c, der, dth)                          # (P, ...) first, but Fg (3 nf, P)
+        src = dict(dEA=dth.EA, dkc=dth.kc, dzeta=dth.zeta, dxi00=dth.xi00, dY=dth.Y, dz=dth.z,
+                   dMinv=(-der.Minv @ mt.Mq @ der.Minv).permute(1, 2, 0), dPt=mt.Pt.permute(1, 2, 0),
+                   dGc=mt.Gc.permute(1, 2, 0), dFgT=mt.Fg)
+        for k, x in src.items():
+            out[k][:, :P] = x.reshape(n_rows[k], P)
+    return out
 
 
 def rollout_tangents(c: NodalConstants, der, dth, Q0, V0, SQ0, SV0, u, ud, du, fq, dt: float, n_steps: int,
@@ -316,8 +305,7 @@ def rollout_tangents(c: NodalConstants, der, dth, Q0, V0, SQ0, SV0, u, ud, du, f
     S0[:, 1, :, :C] = SV0.reshape(B, C, n).mT
     Q0c, V0c = Q0.reshape(B, n).contiguous(), V0.reshape(B, n).contiguous()
     # the states each window's samples read: after steps k0 and k0 + 1, linearly interpolated
-    k0 = torch.clamp(torch.floor(sample_steps + 1e-9), 0, max(n_steps - 1, 0)).long()
-    wgt = (sample_steps - k0.to(sample_steps.dtype)).clamp(0.0, 1.0)
+    k0, wgt = tangent.sample_brackets(sample_steps, n_steps)
     k1 = torch.clamp(k0 + 1, max=n_steps)
     rec = torch.sort(torch.cat([k0, k1], 1), 1).values.contiguous()              # (B, 2H), ascending per window
     nrec = rec.shape[1]

@@ -370,7 +370,8 @@ int rollout(const Model *m, idx_t B, idx_t b0, idx_t b1, idx_t n, real *Q, real 
  * with that inverse, including its dependence on the step-start state and on the masses). Why not the dense
  * transition matrices: their products cost ~10 Mflop per window and step on the manipulator, ~3x what the step's
  * own operations on the directions cost, and are issued as ~200 small torch operations per batch of steps.
- * test/test_engine_native_tangent.py holds it equal to tangent.rollout_tangents (float64) on every nodal structure.
+ * test/test_engine_native_tangent.py holds it equal to tangent.rollout_tangents (float64) on four structures
+ * (the icosahedron, the manipulator, one with constraints, one with both string laws).
  * ================================================================================================================== */
 
 typedef struct {

@@ -339,6 +339,14 @@ LINEARISE_ROWS = 16
 LINEARISE_ROWS_CUDA = 4096
 
 
+def sample_brackets(sample_steps: torch.Tensor, n_steps: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Where samples at fractional step indices ``sample_steps`` (in [0, n_steps]) read a rollout: the state after
+    step k0 (long, in [0, n_steps - 1]) and after k0 + 1, mixed with weight w on the second, ``(1 - w) x[k0] +
+    w x[k0 + 1]`` (the convention of ``RefineProblem.simulate`` and both tangent rollouts). Returns (k0, w)."""
+    k0 = torch.clamp(torch.floor(sample_steps + 1e-9), 0, max(n_steps - 1, 0)).long()
+    return k0, (sample_steps - k0.to(sample_steps.dtype)).clamp(0.0, 1.0)
+
+
 def linearise_rows(device: torch.device) -> int:
     """:func:`rollout_tangents`' default ``rows`` on ``device``."""
     return LINEARISE_ROWS_CUDA if torch.device(device).type == "cuda" else LINEARISE_ROWS
@@ -381,8 +389,7 @@ def rollout_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangent
     C = SQ0.shape[1]
     n = 3 * nf
     P = 0 if dth is None else dth.EA.shape[-1]
-    k0 = torch.clamp(torch.floor(sample_steps + 1e-9), 0, max(n_steps - 1, 0)).long()
-    wgt = (sample_steps - k0.to(sample_steps.dtype)).clamp(0.0, 1.0)
+    k0, wgt = sample_brackets(sample_steps, n_steps)
     H = sample_steps.shape[1]
     outQ = Q0.new_zeros(B, H, 3, nf)
     outS = Q0.new_zeros(B, H, C, n, dtype=tdt)

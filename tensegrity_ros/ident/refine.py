@@ -45,6 +45,7 @@ import torch
 from ..engine import (REST_LENGTH_BOUNDS, Inputs, Params, from_unconstrained, make_engine, stack_params,
                       to_unconstrained)
 from ..engine._common import differentiated, is_dual
+from ..engine.tangent import sample_brackets
 from ..model import Structure
 from ..param_names import GAUGE_KINDS, element_of, join_name, kind_of
 from .data import Dataset, derivatives
@@ -787,8 +788,8 @@ class RefineProblem:
         seq = torch.cat([st.positions.index_select(-2, obs).unsqueeze(0),
                          out.positions.index_select(-2, obs)]).transpose(0, 1)        # (CB, n + 1, No, 3)
         f = self.f_steps.repeat(C, 1) if C > 1 else self.f_steps                       # (CB, H)
-        k0 = torch.clamp(torch.floor(f + 1e-9), 0, n - 1).long()
-        wgt = (f - k0.to(f.dtype)).clamp(0.0, 1.0)[..., None, None]
+        k0, wgt = sample_brackets(f, n)
+        wgt = wgt[..., None, None]
         ga = torch.gather(seq, 1, k0[..., None, None].expand(-1, -1, *seq.shape[2:]))
         gb = torch.gather(seq, 1, (k0 + 1)[..., None, None].expand(-1, -1, *seq.shape[2:]))
         pred = ga + wgt * (gb - ga)                                                    # (CB, H, No, 3)
