@@ -279,9 +279,10 @@ def rollout_tangents(c: NodalConstants, der, dth, Q0, V0, SQ0, SV0, u, ud, du, f
     see :func:`tangent_unsuitable`): positions (B, H, 3, nf) and their tangents (B, H, C, 3, nf) at the samples.
 
     Each window is one call: its primal stepped in scalars and every tile of 16 directions pushed through the
-    step's derivative (native_step.c, tangent_rollout). The states at the steps the samples read are recorded and
-    interpolated here, as rollout_tangents does. The windows are split over ``threads`` (default torch's thread
-    count) threads; the C call releases the GIL."""
+    step's derivative (native_step.c, tangent_rollout), which also interpolates the samples between the steps that
+    bracket them (:func:`.tangent.sample_brackets`). The tangents come back as a view of a directions-last buffer
+    (B, H, 3, nf, C), the layout a Jacobian's rows read. The windows are split over ``threads`` (default torch's
+    thread count) threads; the C call releases the GIL."""
     why = tangent_unsuitable(Q0.device.type, Q0.dtype, None, opts, der.EA.dim() != 1)
     if why is not None:
         raise ValueError(f"native.rollout_tangents cannot run these tangents: {why}")
@@ -304,20 +305,20 @@ def rollout_tangents(c: NodalConstants, der, dth, Q0, V0, SQ0, SV0, u, ud, du, f
     S0[:, 0, :, :C] = SQ0.reshape(B, C, n).mT
     S0[:, 1, :, :C] = SV0.reshape(B, C, n).mT
     Q0c, V0c = Q0.reshape(B, n).contiguous(), V0.reshape(B, n).contiguous()
-    # the states each window's samples read: after steps k0 and k0 + 1, linearly interpolated
+    # sample h reads the states after steps k0 and k0 + 1, linearly interpolated (in the kernel)
     k0, wgt = tangent.sample_brackets(sample_steps, n_steps)
     k1 = torch.clamp(k0 + 1, max=n_steps)
-    rec = torch.sort(torch.cat([k0, k1], 1), 1).values.contiguous()              # (B, 2H), ascending per window
-    nrec = rec.shape[1]
-    Qrec = torch.empty(B, nrec, n, dtype=f64)
-    Srec = torch.empty(B, nrec, n, Cp, dtype=f64)
+    k0, k1, wgt = k0.contiguous(), k1.contiguous(), wgt.to(f64).contiguous()
+    H = k0.shape[1]
+    Qs = torch.empty(B, H, n, dtype=f64)
+    Ss = torch.empty(B, H, n, C, dtype=f64)          # directions last: what the Jacobian's rows are read from
     A = 0 if u is None else u.shape[-1]
     u_ = None if u is None else u.to(f64).contiguous()            # (n_steps, B, A)
     ud_ = None if (u is None or ud is None) else ud.to(f64).contiguous()
     du_ = None if (u is None or du is None or not P) else du.to(f64).contiguous()    # (n_steps, B, A, P)
     dud_ = None if (u is None or dud is None or not P) else dud.to(f64).contiguous()
     fq_ = None if fq is None else fq.to(f64).reshape(fq.shape[0], B, n).contiguous()
-    keep += [S0, Q0c, V0c, rec, u_, ud_, du_, dud_, fq_]
+    keep += [S0, Q0c, V0c, k0, k1, wgt, u_, ud_, du_, dud_, fq_]
 
     def at(t, *index):
         """A pointer to t[index] (None for None)."""
@@ -331,19 +332,12 @@ def rollout_tangents(c: NodalConstants, der, dth, Q0, V0, SQ0, SV0, u, ud, du, f
             ctypes.byref(model), ctypes.byref(tg), ctypes.c_int64(n_steps), at(Q0c, b), at(V0c, b),
             at(S0, b, 0), at(S0, b, 1), at(u_, 0, b), at(ud_, 0, b), ctypes.c_int64(B * A),
             at(du_, 0, b), at(dud_, 0, b), ctypes.c_int64(B * A * P), at(fq_, 0, b), ctypes.c_int64(B * n),
-            at(rec, b), ctypes.c_int64(nrec), at(Qrec, b), at(Srec, b))
+            ctypes.c_int64(H), at(k0, b), at(k1, b), at(wgt, b), ctypes.c_int64(C), at(Qs, b), at(Ss, b))
         if rc != 0:
             raise MemoryError("the native tangent kernel could not allocate its working arrays")
 
     threads = max(1, min(threads or torch.get_num_threads(), B))
     _on_threads([lambda i=i: [run(b) for b in range(i, B, threads)] for i in range(threads)])
     del keep
-    # sample h of window b: (1 - w) state[k0] + w state[k0 + 1]; the records are sorted, so find each one's slot
-    i0 = torch.searchsorted(rec, k0.contiguous())
-    i1 = torch.searchsorted(rec, k1.contiguous())
-    bi = torch.arange(B).unsqueeze(1)
-    w1 = wgt.to(f64)
-    outQ = ((1 - w1)[..., None] * Qrec[bi, i0] + w1[..., None] * Qrec[bi, i1]).reshape(B, -1, 3, nf)
-    outS = (1 - w1)[..., None, None] * Srec[bi, i0] + w1[..., None, None] * Srec[bi, i1]       # (B, H, n, Cp)
-    outS = outS[..., :C].transpose(-1, -2).reshape(B, -1, C, 3, nf)
-    return outQ, outS
+    # (B, H, C, 3, nf) as tangent.rollout_tangents returns, a view of the directions-last buffer
+    return Qs.reshape(B, H, 3, nf), Ss.reshape(B, H, 3, nf, C).permute(0, 1, 4, 2, 3)

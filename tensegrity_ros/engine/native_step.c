@@ -48,6 +48,17 @@ typedef struct {
 
 typedef real lane[TB];
 
+/* Explicit vectors (gcc's vector extensions) for the tangent's lane arithmetic inside loops over a matrix's entries:
+ * gcc 12 vectorised such loops itself, across the entries, with gathers (vgatherqpd), and the sparse products ran
+ * 1.5x slower than testing every entry of the dense matrix; with vectorisation off they ran scalar. A tile of TB
+ * lanes is NV vectors of VL. */
+#define VBYTES 64
+typedef real vec __attribute__((vector_size(VBYTES)));
+#define VL ((int)(VBYTES / sizeof(real)))
+#define NV (TB / VL)
+static inline vec vld(const real *p) { vec v; memcpy(&v, p, sizeof v); return v; }
+static inline void vst(real *p, vec v) { memcpy(p, &v, sizeof v); }
+
 /* out[o] = sum_k w[o][k] in[i[o][k]] for o < n_out, for each of the ncoord coordinates */
 static void gather(lane *out, const lane *in, idx_t n_out, idx_t n_in, int ncoord, const idx_t *i, const real *w,
                    idx_t width)
@@ -406,35 +417,63 @@ static void sdense(real *out, const real *X, const real *M, idx_t n_in, idx_t n_
         }
 }
 
-/* out (3, n_out) lanes = X (3, n_in) lanes times the scalar M (n_in, n_out); zeros of M skipped */
-static void tdense(lane *out, const lane *X, const real *M, idx_t n_in, idx_t n_out)
+/* the structural non-zeros of an (n_in, n_out) matrix by output column: column j reads rows idx[ptr[j] .. ptr[j+1]).
+ * Why: the masses' inverse and the bar-to-node map are 60-65 % zeros on the manipulator, and testing each entry
+ * inside the lane loops cost more than the products (a third of the tangent's time went to these two products) */
+typedef struct {
+    idx_t *ptr, *idx;
+} Pattern;
+
+/* the pattern of M (n_in * n_out rows of row stride ld): (i, j) is a non-zero when any of its first ncol entries is;
+ * ptr, idx: n_out + 1 and n_in * n_out slots */
+static Pattern pattern_of(const real *M, idx_t n_in, idx_t n_out, idx_t ld, idx_t ncol, idx_t *ptr, idx_t *idx)
+{
+    Pattern pt = {ptr, idx};
+    idx_t k = 0;
+    for (idx_t j = 0; j < n_out; j++) {
+        ptr[j] = k;
+        for (idx_t i = 0; i < n_in; i++) {
+            int nz = 0;
+            for (idx_t c = 0; c < ncol && !nz; c++) nz = M[(i * n_out + j) * ld + c] != 0;
+            if (nz) idx[k++] = i;
+        }
+    }
+    ptr[n_out] = k;
+    return pt;
+}
+
+/* out (3, n_out) lanes = X (3, n_in) lanes times the scalar M (n_in, n_out) of pattern pt */
+static void tdense(lane *out, const lane *X, const real *M, const Pattern *pt, idx_t n_in, idx_t n_out)
 {
     for (int c = 0; c < 3; c++)
         for (idx_t j = 0; j < n_out; j++) {
-            real acc[TB] = {0};
-            for (idx_t i = 0; i < n_in; i++) {
-                const real mij = M[i * n_out + j];
-                if (mij == 0) continue;
-                const real *x = X[c * n_in + i];
-                FOR_B acc[b] += x[b] * mij;
+            vec acc[NV];
+            for (int v = 0; v < NV; v++) acc[v] = (vec){0};
+            for (idx_t k = pt->ptr[j]; k < pt->ptr[j + 1]; k++) {
+                const idx_t i = pt->idx[k];
+                const real mij = M[i * n_out + j], *x = X[c * n_in + i];
+                for (int v = 0; v < NV; v++) acc[v] += vld(x + v * VL) * mij;
             }
-            memcpy(out[c * n_out + j], acc, sizeof acc);
+            for (int v = 0; v < NV; v++) vst(out[c * n_out + j] + v * VL, acc[v]);
         }
 }
 
-/* out (3, n_out) lanes += sign * X (3, n_in) scalar times dM (n_in * n_out rows of the tile's lanes, row stride C) */
-static void tdense_dm(lane *out, const real *X, const real *dM, idx_t C, idx_t n_in, idx_t n_out, real sign)
+/* out (3, n_out) lanes += sign * X (3, n_in) scalar times dM (n_in * n_out rows of the tile's lanes, row stride C,
+ * pattern pt) */
+static void tdense_dm(lane *out, const real *X, const real *dM, const Pattern *pt, idx_t C, idx_t n_in, idx_t n_out,
+                      real sign)
 {
     for (int c = 0; c < 3; c++)
         for (idx_t j = 0; j < n_out; j++) {
-            real acc[TB] = {0};
-            for (idx_t i = 0; i < n_in; i++) {
-                const real x = X[c * n_in + i];
-                if (x == 0) continue;
-                const real *dm = dM + (i * n_out + j) * C;
-                FOR_B acc[b] += x * dm[b];
+            vec acc[NV];
+            for (int v = 0; v < NV; v++) acc[v] = (vec){0};
+            for (idx_t k = pt->ptr[j]; k < pt->ptr[j + 1]; k++) {
+                const idx_t i = pt->idx[k];
+                const real x = sign * X[c * n_in + i], *dm = dM + (i * n_out + j) * C;
+                for (int v = 0; v < NV; v++) acc[v] += vld(dm + v * VL) * x;
             }
-            FOR_B out[c * n_out + j][b] += sign * acc[b];
+            real *o = out[c * n_out + j];
+            for (int v = 0; v < NV; v++) vst(o + v * VL, vld(o + v * VL) + acc[v]);
         }
 }
 
@@ -448,6 +487,7 @@ typedef struct {
 typedef struct {
     lane *ds, *dsd, *de, *dxi, *dxid, *dlen, *dld, *dten, *dsegt, *dtmp, *dF, *da, *dbar0, *ddd, *dad, *drhs, *dlam,
          *dAx, *wrk, *dcor, *dbar;
+    Pattern Minv, Pt, dMinv, dPt;                 /* the non-zeros of the products' matrices, fixed for the call */
 } TWork;
 
 /* x = Ainv r for lanes r with the scalar block inverse */
@@ -458,13 +498,13 @@ static void tchord_solve(const Model *m, const real *Ainv, lane *x, const lane *
         const idx_t *g = m->blk_idx + m->blk_ptr[j];
         const idx_t k = m->blk_ptr[j + 1] - m->blk_ptr[j];
         for (idx_t p = 0; p < k; p++) {
-            real acc[TB] = {0};
+            vec acc[NV];
+            for (int v = 0; v < NV; v++) acc[v] = (vec){0};
             for (idx_t q = 0; q < k; q++) {
-                const real ai = Ainv[off + p * k + q];
-                const real *rq = r[g[q]];
-                FOR_B acc[b] += ai * rq[b];
+                const real ai = Ainv[off + p * k + q], *rq = r[g[q]];
+                for (int v = 0; v < NV; v++) acc[v] += vld(rq + v * VL) * ai;
             }
-            memcpy(x[g[p]], acc, sizeof acc);
+            for (int v = 0; v < NV; v++) vst(x[g[p]] + v * VL, acc[v]);
         }
         off += k * k;
     }
@@ -472,7 +512,8 @@ static void tchord_solve(const Model *m, const real *Ainv, lane *x, const lane *
 
 /* (dA x)_p = sum over p's block of [dGc_pq (d_p . d_q) + Gc_pq (dd_p . d_q + d_p . dd_q)] x_q: the chord matrix's
  * tangent at the step start (d, dd: bar vectors and their tangent) applied to the scalar x; dGc NULL when the tile
- * has no parameter direction */
+ * has no parameter direction. Summed as dd_p . g + d_p . h with g = sum_q Gc_pq x_q d_q (scalars) and
+ * h = sum_q Gc_pq x_q dd_q (lanes): 3 lane products per pair instead of 6 */
 static void tchord_dA(const Model *m, lane *out, const real *x, const real *d, const lane *dd, const real *dGc,
                       idx_t C)
 {
@@ -482,21 +523,29 @@ static void tchord_dA(const Model *m, lane *out, const real *x, const real *d, c
         const idx_t k = m->blk_ptr[j + 1] - m->blk_ptr[j];
         for (idx_t p = 0; p < k; p++) {
             const idx_t bp = g[p];
-            real acc[TB] = {0};
+            vec acc[NV], h[3][NV];
+            real gs[3] = {0};
+            for (int v = 0; v < NV; v++) acc[v] = h[0][v] = h[1][v] = h[2][v] = (vec){0};
             for (idx_t q = 0; q < k; q++) {
                 const idx_t bq = g[q];
-                const real gc = m->Gc[bp * nba + bq], xq = x[bq];
-                real dpq = 0;
-                for (int c = 0; c < 3; c++) dpq += d[c * nba + bp] * d[c * nba + bq];
-                const real *dgc = dGc != NULL ? dGc + (bp * nba + bq) * C : NULL;
-                FOR_B {
-                    real v = 0;
-                    for (int c = 0; c < 3; c++)
-                        v += dd[c * nba + bp][b] * d[c * nba + bq] + d[c * nba + bp] * dd[c * nba + bq][b];
-                    acc[b] += (gc * v + (dgc != NULL ? dgc[b] * dpq : 0)) * xq;
+                const real sq = m->Gc[bp * nba + bq] * x[bq];
+                for (int c = 0; c < 3; c++) {
+                    const real *ddq = dd[c * nba + bq];
+                    gs[c] += sq * d[c * nba + bq];
+                    for (int v = 0; v < NV; v++) h[c][v] += vld(ddq + v * VL) * sq;
+                }
+                if (dGc != NULL) {
+                    real dpq = 0;
+                    for (int c = 0; c < 3; c++) dpq += d[c * nba + bp] * d[c * nba + bq];
+                    const real *dgc = dGc + (bp * nba + bq) * C, cq = dpq * x[bq];
+                    for (int v = 0; v < NV; v++) acc[v] += vld(dgc + v * VL) * cq;
                 }
             }
-            memcpy(out[bp], acc, sizeof acc);
+            for (int c = 0; c < 3; c++) {
+                const real *ddp = dd[c * nba + bp], dp = d[c * nba + bp];
+                for (int v = 0; v < NV; v++) acc[v] += vld(ddp + v * VL) * gs[c] + h[c][v] * dp;
+            }
+            for (int v = 0; v < NV; v++) vst(out[bp] + v * VL, acc[v]);
         }
     }
 }
@@ -660,8 +709,8 @@ static void tbar_update(const Model *m, const Tangents *tg, TWork *w, lane *dx, 
             const real *dyj = dy[j], *ddj = dd[c * nba + j];
             FOR_B w->wrk[c * nba + j][b] = dyj[b] * dj + yj * ddj[b];
         }
-    tdense(w->dcor, w->wrk, m->Pt, nba, nf);
-    if (dPt != NULL) tdense_dm(w->dcor, yd, dPt, tg->C, nba, nf, 1);
+    tdense(w->dcor, w->wrk, m->Pt, &w->Pt, nba, nf);
+    if (dPt != NULL) tdense_dm(w->dcor, yd, dPt, &w->dPt, tg->C, nba, nf, 1);
     for (idx_t r = 0; r < 3 * nf; r++) FOR_B dx[r][b] += sign * w->dcor[r][b];
 }
 
@@ -733,8 +782,8 @@ static void tstep(const Model *m, const Tangents *tg, const Prim *p, TWork *w, l
         if (par) { const real *g = DT_(dFgT, r); FOR_B w->dF[r][b] = g[b] - w->dF[r][b]; }
         else FOR_B w->dF[r][b] = -w->dF[r][b];
     }
-    tdense(w->da, w->dF, m->Minv, nf, nf);
-    if (par) tdense_dm(w->da, p->F, DT_(dMinv, 0), C, nf, nf, 1);
+    tdense(w->da, w->dF, m->Minv, &w->Minv, nf, nf);
+    if (par) tdense_dm(w->da, p->F, DT_(dMinv, 0), &w->dMinv, C, nf, nf, 1);
     const real *dGc = par ? DT_(dGc, 0) : NULL, *dPt = par ? DT_(dPt, 0) : NULL;
     if (nba > 0) {
         gather(w->dbar0, dq, nba, nf, 3, m->Cbt_i, m->Cbt_w, m->wCbt);
@@ -802,14 +851,36 @@ static void tstep(const Model *m, const Tangents *tg, const Prim *p, TWork *w, l
 #undef DT_
 }
 
+/* sample h of the state and its tangent tiles: Qs[h] = a q, Ss[h] = a S (first) or += (its second state) */
+static void sample_into(const Prim *p, const lane *lm, idx_t nf, idx_t nt, idx_t Cs, idx_t h, real a, int first,
+                        real *Qs, real *Ss)
+{
+    const idx_t n3 = 3 * nf;
+    real *q = Qs + h * n3;
+    for (idx_t r = 0; r < n3; r++) q[r] = (first ? 0 : q[r]) + a * p->q[r];
+    for (idx_t r = 0; r < n3; r++) {
+        real *row = Ss + (h * n3 + r) * Cs;
+        for (idx_t t = 0; t < nt; t++) {
+            const real *x = lm[t * 2 * n3 + r];
+            const idx_t l = Cs - t * TB < TB ? Cs - t * TB : TB;
+            real *o = row + t * TB;
+            if (first) for (idx_t b = 0; b < l; b++) o[b] = a * x[b];
+            else for (idx_t b = 0; b < l; b++) o[b] += a * x[b];
+        }
+    }
+}
+
 /* n steps of one item with C directions (the parameters shared: Model.pB == 1).
  * q0, v0 (3 nf); S0q, S0v (3 nf, C): the start and its tangents. u, ud: step k's motor angles and rates at
  * [k * u_sk], (A) each, or NULL; du, dud: step k's tangents at [k * du_sk], (A, P) each, or NULL; fq: step k's
- * reduced external forces at [k * fq_sk], (3 nf), or NULL. rec (nrec, ascending): the states to record (0 the start,
- * k the state after step k); Qrec (nrec, 3 nf), Srec (nrec, 3 nf, C). Returns 0, or -1 when out of memory. */
+ * reduced external forces at [k * fq_sk], (3 nf), or NULL. The H samples: sample h is (1 - w[h]) state[k0[h]] +
+ * w[h] state[k1[h]] (k0[h] <= k1[h] <= n; state 0 the start, k the state after step k), written to Qs (H, 3 nf) and
+ * the first Cs <= C directions to Ss (H, 3 nf, Cs), the layout identification's Jacobian reads, so that nothing is
+ * gathered or transposed afterwards. Returns 0, or -1 when out of memory. */
 int tangent_rollout(const Model *m, const Tangents *tg, idx_t n, const real *q0, const real *v0, const real *S0q,
                     const real *S0v, const real *u, const real *ud, idx_t u_sk, const real *du, const real *dud,
-                    idx_t du_sk, const real *fq, idx_t fq_sk, const idx_t *rec, idx_t nrec, real *Qrec, real *Srec)
+                    idx_t du_sk, const real *fq, idx_t fq_sk, idx_t H, const idx_t *k0, const idx_t *k1,
+                    const real *w1, idx_t Cs, real *Qs, real *Ss)
 {
     const idx_t nf = m->nf, nseg = m->nseg, S = m->S, nba = m->nba, C = tg->C, nt = C / TB;
     const idx_t its = m->proj_iters > 0 ? m->proj_iters : 0;
@@ -829,7 +900,9 @@ int tangent_rollout(const Model *m, const Tangents *tg, idx_t n, const real *q0,
     /* lanes: the tangent state (2 * 3 nf per tile) and one tile's work */
     const size_t nw = 3 * 3 * nseg + 3 * nseg + 3 * S + ntmp + 2 * 3 * nf + 5 * 3 * nba + 3 * nba + 3 * nf;
     lane *lm = aligned_alloc(64, (2 * 3 * nf * nt + nw) * sizeof(lane));
-    if (pm == NULL || lm == NULL) { free(pm); free(lm); return -1; }
+    /* the patterns of Minv, Pt and their parameter tangents: pointers (n_out + 1) and rows (n_in n_out) each */
+    idx_t *pat = malloc(2 * ((nf + 1) + nf * nf + (nf + 1) + nba * nf) * sizeof(idx_t));
+    if (pm == NULL || lm == NULL || pat == NULL) { free(pm); free(lm); free(pat); return -1; }
     Prim p;
     real *x = pm;
 #define TAKE(f, k) (p.f = x, x += (k))
@@ -850,6 +923,11 @@ int tangent_rollout(const Model *m, const Tangents *tg, idx_t n, const real *q0,
     TAKE(da, 3 * nf); TAKE(dbar0, 3 * nba); TAKE(ddd, 3 * nba); TAKE(dad, 3 * nba); TAKE(wrk, 3 * nba);
     TAKE(dbar, 3 * nba); TAKE(drhs, nba); TAKE(dlam, nba); TAKE(dAx, nba); TAKE(dcor, 3 * nf);
 #undef TAKE
+    idx_t *pp = pat;
+#define PATTERN(f, M, n_in, ld, ncol) (w.f = pattern_of(M, n_in, nf, ld, ncol, pp, pp + nf + 1), pp += nf + 1 + (n_in) * nf)
+    PATTERN(Minv, m->Minv, nf, 1, 1); PATTERN(Pt, m->Pt, nba, 1, 1);
+    PATTERN(dMinv, tg->dMinv, nf, C, tg->P); PATTERN(dPt, tg->dPt, nba, C, tg->P);
+#undef PATTERN
     memcpy(p.q, q0, 3 * nf * sizeof(real));
     memcpy(p.v, v0, 3 * nf * sizeof(real));
     for (idx_t t = 0; t < nt; t++)
@@ -857,16 +935,10 @@ int tangent_rollout(const Model *m, const Tangents *tg, idx_t n, const real *q0,
             lane *tq = lm + t * 2 * 3 * nf, *tv = tq + 3 * nf;
             FOR_B { tq[r][b] = S0q[r * C + t * TB + b]; tv[r][b] = S0v[r * C + t * TB + b]; }
         }
-    idx_t at = 0;
     for (idx_t k = 0;; k++) {
-        while (at < nrec && rec[at] == k) {                     /* the state after step k (k = 0: the start) */
-            memcpy(Qrec + at * 3 * nf, p.q, 3 * nf * sizeof(real));
-            for (idx_t t = 0; t < nt; t++) {
-                const lane *tq = lm + t * 2 * 3 * nf;
-                for (idx_t r = 0; r < 3 * nf; r++) memcpy(Srec + (at * 3 * nf + r) * C + t * TB, tq[r], sizeof(lane));
-            }
-            at++;
-        }
+        for (idx_t h = 0; h < H; h++)                       /* the samples that read the state after step k */
+            if (k0[h] == k || k1[h] == k) sample_into(&p, lm, nf, nt, Cs, h, (k0[h] == k ? 1 - w1[h] : 0) +
+                                                      (k1[h] == k ? w1[h] : 0), k0[h] == k, Qs, Ss);
         if (k == n) break;
         const real *uk = u != NULL ? u + k * u_sk : NULL, *udk = u != NULL && ud != NULL ? ud + k * u_sk : NULL;
         pstep(m, &p, uk, udk, fq != NULL ? fq + k * fq_sk : NULL);
@@ -878,5 +950,6 @@ int tangent_rollout(const Model *m, const Tangents *tg, idx_t n, const real *q0,
     }
     free(pm);
     free(lm);
+    free(pat);
     return 0;
 }

@@ -1048,10 +1048,13 @@ class RefineProblem:
         obs = torch.as_tensor(self.obs_idx, device=self.device)
         m = self.mask.to(self.dtype)
         X = (Qs @ c.Tt + c.XcT).mT.index_select(-2, obs)                       # (B, H, No, 3)
-        dX = (S.to(self.dtype) @ c.Tt).mT.index_select(-2, obs)                # (B, H, C, No, 3)
         r = ((X - self.targets) * m[..., None]).reshape(B, -1)
-        J = (dX * m[:, :, None, :, None]).permute(0, 1, 3, 4, 2).reshape(B, r.shape[1], -1)
-        return r, J
+        # rows (sample, marker, coordinate), columns the directions: one product on the directions-last tangents
+        # (the kernel's own layout, a permuted view of the dense model's) and one masked copy into place
+        dX = c.Tt.index_select(-1, obs).mT @ S.to(self.dtype).permute(0, 1, 3, 4, 2)   # (B, H, 3, No, C)
+        J = dX.new_empty(B, dX.shape[1], dX.shape[3], 3, dX.shape[4])
+        torch.mul(dX.transpose(2, 3), m[:, :, :, None, None], out=J)
+        return r, J.reshape(B, r.shape[1], -1)
 
     def loss(self, w: torch.Tensor, x0: Optional[torch.Tensor]) -> torch.Tensor:
         opts = self.opts
