@@ -52,7 +52,7 @@ def test_truncated_inverse_drops_directions_the_data_do_not_see():
     Q, _ = np.linalg.qr(rng.normal(size=(5, 5)))
     ev = np.array([1e-14, 1e-3, 0.1, 1.0, 10.0])
     A = torch.as_tensor((Q * ev) @ Q.T)[None].expand(3, 5, 5)
-    P = RF._truncated_inverse(A, 1e-8).numpy()
+    P = RF.truncated_inverse(A, 1e-8).numpy()
     kept = (Q[:, 1:] / ev[1:]) @ Q[:, 1:].T
     for k in range(3):
         np.testing.assert_allclose(P[k], kept, rtol=1e-8, atol=1e-8)

@@ -1263,7 +1263,7 @@ def refine(structure: Structure, data: Union[Dataset, Sequence[Dataset]], start:
                         w=w_best, x0=x0_best, notes=notes)
 
 
-def _truncated_inverse(A: torch.Tensor, rtol: float) -> torch.Tensor:
+def truncated_inverse(A: torch.Tensor, rtol: float) -> torch.Tensor:
     """Pseudo-inverse of symmetric PSD blocks (..., n, n), eigenvalues below ``rtol`` x the largest dropped."""
     ev, V = torch.linalg.eigh(0.5 * (A + A.mT))
     keep = ev > rtol * ev[..., -1:].clamp_min(1e-300)
@@ -1377,7 +1377,7 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
             if Je is not None:
                 dE = torch.diagonal(Hee, dim1=-2, dim2=-1)
                 dE = dE.clamp_min(1e-12 * float(dE.max()) + 1e-300)
-                Ainv = _truncated_inverse(Hee + lam * torch.diag_embed(dE), X0_RCOND ** 2)
+                Ainv = truncated_inverse(Hee + lam * torch.diag_embed(dE), X0_RCOND ** 2)
                 A = A - torch.einsum("bij,bjk,blk->il", Hwe, Ainv, Hwe)
             A = 0.5 * (A + A.T)
             try:

@@ -33,7 +33,7 @@ import torch
 
 from ..engine.params import REST_LENGTH_BOUNDS
 from ..param_names import GAUGE_KINDS, TRANSFORMS, element_of, join_name, kind_of
-from .refine import DELAY_UNIT_S, RefineProblem, _truncated_inverse
+from .refine import DELAY_UNIT_S, RefineProblem, truncated_inverse
 from .regression import identifiability_reference
 from .workers import window_workers
 
@@ -187,7 +187,7 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     if Je is not None:
         Hwe = torch.einsum("bri,brj->bij", Jw, Je)
         Hee = torch.einsum("bri,brj->bij", Je, Je)
-        Heep = _truncated_inverse(Hee, START_ELIMINATION_RTOL)
+        Heep = truncated_inverse(Hee, START_ELIMINATION_RTOL)
         Hww = Hww - torch.einsum("bij,bjk,blk->il", Hwe, Heep, Hwe)
 
     def window_scores(v: torch.Tensor) -> torch.Tensor:
