@@ -307,8 +307,7 @@ def rollout_tangents(c: NodalConstants, der, dth, Q0, V0, SQ0, SV0, u, ud, du, f
     Q0c, V0c = Q0.reshape(B, n).contiguous(), V0.reshape(B, n).contiguous()
     # sample h reads the states after steps k0 and k0 + 1, linearly interpolated (in the kernel)
     k0, wgt = tangent.sample_brackets(sample_steps, n_steps)
-    k1 = torch.clamp(k0 + 1, max=n_steps)
-    k0, k1, wgt = k0.contiguous(), k1.contiguous(), wgt.to(f64).contiguous()
+    k0, wgt = k0.contiguous(), wgt.to(f64).contiguous()
     H = k0.shape[1]
     Qs = torch.empty(B, H, n, dtype=f64)
     Ss = torch.empty(B, H, n, C, dtype=f64)          # directions last: what the Jacobian's rows are read from
@@ -318,7 +317,7 @@ def rollout_tangents(c: NodalConstants, der, dth, Q0, V0, SQ0, SV0, u, ud, du, f
     du_ = None if (u is None or du is None or not P) else du.to(f64).contiguous()    # (n_steps, B, A, P)
     dud_ = None if (u is None or dud is None or not P) else dud.to(f64).contiguous()
     fq_ = None if fq is None else fq.to(f64).reshape(fq.shape[0], B, n).contiguous()
-    keep += [S0, Q0c, V0c, k0, k1, wgt, u_, ud_, du_, dud_, fq_]
+    keep += [S0, Q0c, V0c, k0, wgt, u_, ud_, du_, dud_, fq_]
 
     def at(t, *index):
         """A pointer to t[index] (None for None)."""
@@ -332,7 +331,7 @@ def rollout_tangents(c: NodalConstants, der, dth, Q0, V0, SQ0, SV0, u, ud, du, f
             ctypes.byref(model), ctypes.byref(tg), ctypes.c_int64(n_steps), at(Q0c, b), at(V0c, b),
             at(S0, b, 0), at(S0, b, 1), at(u_, 0, b), at(ud_, 0, b), ctypes.c_int64(B * A),
             at(du_, 0, b), at(dud_, 0, b), ctypes.c_int64(B * A * P), at(fq_, 0, b), ctypes.c_int64(B * n),
-            ctypes.c_int64(H), at(k0, b), at(k1, b), at(wgt, b), ctypes.c_int64(C), at(Qs, b), at(Ss, b))
+            ctypes.c_int64(H), at(k0, b), at(wgt, b), ctypes.c_int64(C), at(Qs, b), at(Ss, b))
         if rc != 0:
             raise MemoryError("the native tangent kernel could not allocate its working arrays")
 

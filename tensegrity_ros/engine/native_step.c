@@ -874,13 +874,13 @@ static void sample_into(const Prim *p, const lane *lm, idx_t nf, idx_t nt, idx_t
  * q0, v0 (3 nf); S0q, S0v (3 nf, C): the start and its tangents. u, ud: step k's motor angles and rates at
  * [k * u_sk], (A) each, or NULL; du, dud: step k's tangents at [k * du_sk], (A, P) each, or NULL; fq: step k's
  * reduced external forces at [k * fq_sk], (3 nf), or NULL. The H samples: sample h is (1 - w[h]) state[k0[h]] +
- * w[h] state[k1[h]] (k0[h] <= k1[h] <= n; state 0 the start, k the state after step k), written to Qs (H, 3 nf) and
+ * w[h] state[min(k0[h] + 1, n)] (k0[h] <= n; state 0 the start, k the state after step k), written to Qs (H, 3 nf) and
  * the first Cs <= C directions to Ss (H, 3 nf, Cs), the layout identification's Jacobian reads, so that nothing is
  * gathered or transposed afterwards. Returns 0, or -1 when out of memory. */
 int tangent_rollout(const Model *m, const Tangents *tg, idx_t n, const real *q0, const real *v0, const real *S0q,
                     const real *S0v, const real *u, const real *ud, idx_t u_sk, const real *du, const real *dud,
-                    idx_t du_sk, const real *fq, idx_t fq_sk, idx_t H, const idx_t *k0, const idx_t *k1,
-                    const real *w1, idx_t Cs, real *Qs, real *Ss)
+                    idx_t du_sk, const real *fq, idx_t fq_sk, idx_t H, const idx_t *k0, const real *w1, idx_t Cs,
+                    real *Qs, real *Ss)
 {
     const idx_t nf = m->nf, nseg = m->nseg, S = m->S, nba = m->nba, C = tg->C, nt = C / TB;
     const idx_t its = m->proj_iters > 0 ? m->proj_iters : 0;
@@ -924,7 +924,8 @@ int tangent_rollout(const Model *m, const Tangents *tg, idx_t n, const real *q0,
     TAKE(dbar, 3 * nba); TAKE(drhs, nba); TAKE(dlam, nba); TAKE(dAx, nba); TAKE(dcor, 3 * nf);
 #undef TAKE
     idx_t *pp = pat;
-#define PATTERN(f, M, n_in, ld, ncol) (w.f = pattern_of(M, n_in, nf, ld, ncol, pp, pp + nf + 1), pp += nf + 1 + (n_in) * nf)
+#define PATTERN(f, M, n_in, ld, ncol) \
+    (w.f = pattern_of(M, n_in, nf, ld, ncol, pp, pp + nf + 1), pp += nf + 1 + (n_in) * nf)
     PATTERN(Minv, m->Minv, nf, 1, 1); PATTERN(Pt, m->Pt, nba, 1, 1);
     PATTERN(dMinv, tg->dMinv, nf, C, tg->P); PATTERN(dPt, tg->dPt, nba, C, tg->P);
 #undef PATTERN
@@ -936,9 +937,12 @@ int tangent_rollout(const Model *m, const Tangents *tg, idx_t n, const real *q0,
             FOR_B { tq[r][b] = S0q[r * C + t * TB + b]; tv[r][b] = S0v[r * C + t * TB + b]; }
         }
     for (idx_t k = 0;; k++) {
-        for (idx_t h = 0; h < H; h++)                       /* the samples that read the state after step k */
-            if (k0[h] == k || k1[h] == k) sample_into(&p, lm, nf, nt, Cs, h, (k0[h] == k ? 1 - w1[h] : 0) +
-                                                      (k1[h] == k ? w1[h] : 0), k0[h] == k, Qs, Ss);
+        for (idx_t h = 0; h < H; h++) {                     /* the samples that read the state after step k */
+            const idx_t k1 = k0[h] < n ? k0[h] + 1 : n;
+            if (k0[h] == k || k1 == k)
+                sample_into(&p, lm, nf, nt, Cs, h, (k0[h] == k ? 1 - w1[h] : 0) + (k1 == k ? w1[h] : 0), k0[h] == k,
+                            Qs, Ss);
+        }
         if (k == n) break;
         const real *uk = u != NULL ? u + k * u_sk : NULL, *udk = u != NULL && ud != NULL ? ud + k * u_sk : NULL;
         pstep(m, &p, uk, udk, fq != NULL ? fq + k * fq_sk : NULL);

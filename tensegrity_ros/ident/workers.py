@@ -120,7 +120,7 @@ class WindowWorkers:
         # numpy arrays through the pipes, not torch tensors: torch pickles a tensor into shared memory whose file
         # descriptor a thread of this process then serves to the child (multiprocessing's resource sharer)
         w, x0 = w.detach(), None if x0 is None else x0.detach()          # (on the CPU: see can_fork)
-        wn, xn = w.cpu().numpy(), None if x0 is None else x0.cpu().numpy()
+        wn, xn = _to_numpy(w), _to_numpy(x0)
         futures = [pool.submit(_evaluate, method, idx, (wn, None if xn is None else xn[idx], *rest))
                    for pool, idx in zip(self._pools, self.shares)]
         try:
