@@ -90,9 +90,12 @@ def test_stage2_tangent_jacobian_equals_dual_numbers(kernel, monkeypatch):
     """The refinement's Jacobian blocks (parameters, the motor delay, window starts) from the tangent model
     equal the exact dual-number copies, on the actuated pendulum with noisy starts (so the start projection
     and the delay's input tangent are exercised). kernel: the step's tangent fused in C (the default where it
-    builds; engine/native.py) or the dense tangent model (TENSEGRITY_NATIVE=0)."""
+    builds; engine/native.py) or the dense tangent model (TENSEGRITY_NATIVE=0). Every start column is pushed
+    (START_BASIS_RTOL = 0): the basis of their span drops what the projection leaves of the noisy starts' bar-length
+    violations (5e-8 of a column here), tested on its own below."""
     if kernel == "torch":
         monkeypatch.setenv("TENSEGRITY_NATIVE", "0")
+    monkeypatch.setattr(RF, "START_BASIS_RTOL", 0.0)
     prob, w, x0 = _noisy_pendulum_problem(window_s=0.1)
     assert prob._native_tangents() == (kernel == "native" and native.available(torch.float64) is None)
     assert prob.jacobian_method() == "tangent"
@@ -104,6 +107,42 @@ def test_stage2_tangent_jacobian_equals_dual_numbers(kernel, monkeypatch):
         rel = (J1 - J2).norm(dim=(0, 1)) / J2.norm(dim=(0, 1)).clamp_min(1e-30)
         assert float(rel.max()) < 1e-8, rel
     assert float(Jw2[..., -1].abs().max()) > 1e-4                           # the delay column is live
+
+
+def test_start_columns_from_their_basis_equal_every_column_pushed(monkeypatch):
+    """The window starts' 6 nf unit offsets, projected onto the bar lengths, span 6 nf - 2 x (bar constraints)
+    directions; the tangent model pushes a basis of that span (refine.start_basis) and forms every start column
+    from it. On the manipulator (18 free nodes: 108 columns, 72 pushed), 0.1-s windows of a recording with 1 mm
+    noise, the Jacobian equals the one with every column pushed (START_BASIS_RTOL = 0) to 1e-4 of each start
+    column's norm (measured 3e-6: what two projection iterations leave of the noisy starts' bar-length
+    violations, singular values 1.5e-5 and below against 0.96 and above for the 72 kept)."""
+    from tensegrity_ros.ident import RefineOptions as Opts
+    s = MANIPULATOR
+    p = params_from_structure(s)
+    X0, V0 = random_initial_state(s, np.random.default_rng(0), pos_std=0.002, vel_std=0.05, params=p)
+    ds = simulate_dataset(s, p, X0, V0, dt=1e-3, steps=400, every=8,
+                          motor_fn=lambda t: 0.3 * np.sin(2 * np.pi * 1.5 * t[:, None] + np.arange(6)))
+    prob = RF.RefineProblem(s, [add_marker_noise(ds, 1e-3, np.random.default_rng(1))], p,
+                            Opts(kinds=("stiffness", "mass"), window_s=0.1, max_windows=2))
+    w = prob.initial_w(0.0)
+    nf = len(prob.top.free_nodes)
+    x0 = 0.5 * torch.randn(prob.B_win, nf, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    c = prob.engine.constants
+    n_w = w.numel()
+    _, _, SQ, SV = prob._start_tangents(prepare(c, prob.params_of(w)), None, x0, n_w)
+    SQb, SVb, coef = RF.start_basis(SQ, SV, n_w)
+    k = 6 * nf - 2 * c.Cb_q.shape[0]
+    assert (nf, k) == (18, 72) and SQb.shape[1] == n_w + k and coef.shape == (prob.B_win, 6 * nf, k)
+    torch.testing.assert_close(SQb[:, :n_w], SQ[:, :n_w], rtol=0, atol=0)    # the parameters' columns untouched
+    r1, Jw1, Je1 = prob.jacobian_blocks(w, x0, "tangent")
+    monkeypatch.setattr(RF, "START_BASIS_RTOL", 0.0)
+    assert RF.start_basis(SQ, SV, n_w)[2].shape[-1] == 6 * nf                 # nothing dropped: every column
+    r2, Jw2, Je2 = prob.jacobian_blocks(w, x0, "tangent")
+    torch.testing.assert_close(r1, r2, rtol=0, atol=0)
+    torch.testing.assert_close(Jw1, Jw2, rtol=1e-12, atol=1e-15)
+    rel = (Je1 - Je2).norm(dim=(0, 1)) / Je2.norm(dim=(0, 1))
+    print(f"start columns from the basis against every column pushed: largest relative difference {rel.max():.1e}")
+    assert float(rel.max()) < 1e-4, rel
 
 
 def test_jacobian_reuses_the_residual_rollouts_states_with_the_same_blocks(monkeypatch):

@@ -133,6 +133,15 @@ def test_window_workers_match_in_process_blocks_and_survive_a_killed_worker(pend
         assert workers.map("_kept_primal", w + 0.1, x0) is None
         for a, b in zip((r1, Jw1, Je1), prob.jacobian_blocks(w, x0)):
             torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)
+        # Levenberg-Marquardt's normal equations, formed in the workers where the Jacobian stays: the products of
+        # the one-process blocks; and the chord steps' J^T r at another point, with that same Jacobian
+        normal = (r1, Jw1.mT @ Jw1, Jw1.mT @ Je1, Je1.mT @ Je1, _mv(Jw1, r1), _mv(Je1, r1))
+        for a, b in zip(normal, prob.normal_blocks(w, x0)):
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-15)
+        r_new = prob.residuals(w + 0.01, x0).reshape(r1.shape)
+        assert not torch.allclose(r_new, r1)
+        for a, b in zip((r_new, _mv(Jw1, r_new), _mv(Je1, r_new)), prob.residual_gradients(w + 0.01, x0)):
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-15)
         # the workers killed (as by the out-of-memory killer): the call finishes in this process, and says so
         for pool in workers._pools:
             for pid in list(pool._processes):
@@ -141,6 +150,14 @@ def test_window_workers_match_in_process_blocks_and_survive_a_killed_worker(pend
         torch.testing.assert_close(r3, r1, rtol=1e-12, atol=1e-15)
         assert workers.failure and "one process" in workers.failure and prob._workers is None
     assert prob._workers is None
+    # this process kept no Jacobian (the workers did): the gradients take one at the point asked
+    for a, b in zip((r1, _mv(Jw1, r1), _mv(Je1, r1)), prob.residual_gradients(w, x0)):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-15)
+
+
+def _mv(J, r):
+    """Per window J^T r: (B, R, n), (B, R) -> (B, n)."""
+    return (J.mT @ r.unsqueeze(-1)).squeeze(-1)
 
 
 def test_window_workers_stay_in_process_inside_a_daemon():

@@ -174,15 +174,14 @@ def fitted_start_mse(prob: RefineProblem, params: Params, delay_s: float = 0.0, 
     with torch.no_grad():
         cur = mse_of(x0)
         for _ in range(max(int(iterations), 0)):
-            # the starts' columns alone (the parameters are held)
-            r, _, Je = p.jacobian_blocks(w, x0, "auto", tangent_dtype, True)
-            r = torch.nan_to_num(r, nan=0.0, posinf=0.0, neginf=0.0)
-            # J_e^+ r through the normal equations with the squared cut (the same directions as a pseudo-inverse
-            # cut at X0_RCOND): one batched product and a 6 nf eigendecomposition per window instead of an SVD
-            # of the window's rows (the held-out check's 88 SVDs took 1.4 s on the 16-s bag, stop 54)
-            Jd = Je.to(torch.float64)
-            step = (truncated_inverse(Jd.mT @ Jd, X0_RCOND ** 2) @ (Jd.mT @ r.to(torch.float64).unsqueeze(-1))
-                    ).squeeze(-1).to(p.dtype).reshape(x0.shape)
+            # the starts' columns alone (the parameters are held); J_e^+ r through the normal equations with the squared cut (the same directions as a pseudo-inverse
+            # cut at X0_RCOND): the products formed where the Jacobian is (a window worker), a 6 nf
+            # eigendecomposition per window instead of an SVD of the window's rows (the held-out check's 88 SVDs
+            # took 1.4 s on the 16-s bag, stop 54)
+            _, _, _, Hee, _, ge = p.normal_blocks(w, x0, "auto", tangent_dtype, True)
+            Hee, ge = Hee.to(torch.float64), ge.to(torch.float64)
+            step = (truncated_inverse(Hee, X0_RCOND ** 2) @ ge.unsqueeze(-1)).squeeze(-1)
+            step = step.to(p.dtype).reshape(x0.shape)
             step = torch.nan_to_num(step, nan=0.0, posinf=0.0, neginf=0.0)
             todo = torch.ones(p.B_win, dtype=torch.bool, device=p.device)
             for alpha in (1.0, 0.5, 0.25, 0.125):      # per window: keep a step only if it lowers that window's error

@@ -100,8 +100,23 @@ START_PROJECTION_ITERS = 2
 #: the bar lengths, and the stiff bar-end modes (~90 Hz on the manipulator) are barely seen at 120 Hz, so that
 #: block has directions 1e-8 and below the largest. A plain inverse turns them into metre-sized "steps" that
 #: the rollout cannot follow (NaN), and Levenberg-Marquardt then crawled (~1 % loss decrease per iteration).
-#: Truncated, one Gauss-Newton step fits a window's start to the noise level.
-X0_RCOND = 1e-4
+#: Truncated, one Gauss-Newton step fits a window's start to the noise level. 1e-3, not 1e-4 (until stop 55): the
+#: start steps along the weakest directions kept at 1e-4 left the linear range near the optimum (on the README's
+#: 16-s bag a last-rung step predicted to lower chi^2 by 13 raised it by 78 with its start part alone, a tenth of
+#: it did what the linear model said); each rejected step raised the damping, which shortened the parameters'
+#: steps too, and the last rung crawled and stopped short: 8 iterations to a loss 2.6 chi^2 above the one 1e-3
+#: reaches in 6, stiffness median error 2.9 % against 0.35 %. 1e-2 cuts real information (a higher loss).
+X0_RCOND = 1e-3
+#: relative singular-value cut of each window's projected start tangents (:func:`start_basis`), with positions
+#: in X0_UNIT_M and velocities in V0_UNIT_MPS. Why: the 6 nf unit offsets of a window's start, projected onto the
+#: bar lengths (START_PROJECTION_ITERS), span 6 nf - 2 x (bar constraints) directions, along which a projection
+#: keeps an offset whole (singular values near 1); the others are what two projection iterations leave of the
+#: bar-length violations. The manipulator's 108 columns: 72 at 0.79-1.0, the other 36 at 7e-8 and below on the
+#: README's 16-s bag (1-s windows), at 1.5e-5 and below on 0.1-s windows of a simulated recording with 1 mm noise.
+#: Pushing 72 basis directions through the tangent model instead of 108 columns costs the kernel a third less on
+#: the start fits and a fifth less on a stage-2 Jacobian (n_w + 6 nf columns); the start columns then differ by
+#: what was dropped (test_engine_tangent.py: 3e-6 of their norm on those 0.1-s windows).
+START_BASIS_RTOL = 1e-3
 #: residual rollouts whose states a problem keeps for a tangent Jacobian at the same point (RefineProblem.residuals):
 #: Levenberg-Marquardt's accepted point is at most 3 evaluations back (a chord step or two tried after it).
 #: ~4 MB each for 4 one-second windows of the manipulator; 0 turns the reuse off
@@ -987,6 +1002,43 @@ class RefineProblem:
         T = T.permute(1, 2, 0)                                                      # (B, R, C)
         return r.detach(), T[..., :0 if starts_only else n_w].detach(), (T[..., n_w:].detach() if ne else None)
 
+    def normal_blocks(self, w: torch.Tensor, x0: Optional[torch.Tensor], method: str = "auto",
+                      tangent_dtype: Optional[torch.dtype] = None, starts_only: bool = False):
+        """The Gauss-Newton normal equations' blocks of each window, from :meth:`jacobian_blocks` (same arguments):
+        residuals r (B, R), J_w^T J_w (B, n_w, n_w), J_w^T J_e (B, n_w, E), J_e^T J_e (B, E, E), J_w^T r (B, n_w)
+        and J_e^T r (B, E) (the J_e items None without x0).
+
+        The Jacobian stays with the problem (with a window worker's share, in that worker), where
+        :meth:`residual_gradients` multiplies later residuals by it. Why: Levenberg-Marquardt needs only these
+        products, and the Jacobian itself (~60 MB for the manipulator's 7 one-second windows) crossed a pipe
+        and was multiplied out in the parent while the workers waited (py-spy, the README's 16-s bag: ~3 s)."""
+        if self._workers is not None:
+            return self._workers.map("normal_blocks", w.detach(), None if x0 is None else x0.detach(), method,
+                                     tangent_dtype, starts_only)
+        r, Jw, Je = self.jacobian_blocks(w, x0, method, tangent_dtype, starts_only)
+        self._kept_jacobian = (self, Jw, Je)
+        rc = r.unsqueeze(-1)
+        blocks = (r, Jw.mT @ Jw, None if Je is None else Jw.mT @ Je, None if Je is None else Je.mT @ Je,
+                  (Jw.mT @ rc).squeeze(-1), None if Je is None else (Je.mT @ rc).squeeze(-1))
+        return blocks
+
+    def residual_gradients(self, w: torch.Tensor, x0: Optional[torch.Tensor]):
+        """Residuals r (B, R) at (w, x0) with J_w^T r (B, n_w) and J_e^T r (B, E) (None without x0), J the
+        Jacobian of the last :meth:`normal_blocks` (the chord steps' gradients: the same normal equations, fresh
+        residuals). Without a kept Jacobian (a worker that stopped: the parent finishes alone) it is taken at
+        (w, x0)."""
+        if self._workers is not None:
+            return self._workers.map("residual_gradients", w.detach(), None if x0 is None else x0.detach())
+        kept = getattr(self, "_kept_jacobian", None)
+        if kept is None or kept[0] is not self:
+            self.normal_blocks(w, x0)
+            kept = self._kept_jacobian
+        _, Jw, Je = kept
+        with torch.no_grad():
+            r = self.residuals(w, x0).reshape(self.B_win, -1)
+        rc = r.unsqueeze(-1)
+        return r, (Jw.mT @ rc).squeeze(-1), None if Je is None else (Je.mT @ rc).squeeze(-1)
+
     def _start_tangents(self, der, dth, x0: Optional[torch.Tensor], n_w: int):
         """Reduced start states Q0, V0 (B, 3, nf) (as :meth:`simulate` starts) and their tangents (B, C, 3, nf)
         along the columns of :meth:`jacobian_blocks`: zero for the n_w parameter columns before the start
@@ -1023,6 +1075,9 @@ class RefineProblem:
         dth = None if starts_only else tangent.param_tangents(c, self._params_batched, w)
         with torch.no_grad():
             Q0, V0, SQ0, SV0 = self._start_tangents(der, dth, x0, n_w)
+            coef = None
+            if x0 is not None:
+                SQ0, SV0, coef = start_basis(SQ0, SV0, n_w)
         inp = self._inputs(self.delay_of(w))
         u = ud = du = dud = fq = None
         if inp is not None:
@@ -1054,7 +1109,10 @@ class RefineProblem:
         dX = c.Tt.index_select(-1, obs).mT @ S.to(self.dtype).permute(0, 1, 3, 4, 2)   # (B, H, 3, No, C)
         J = dX.new_empty(B, dX.shape[1], dX.shape[3], 3, dX.shape[4])
         torch.mul(dX.transpose(2, 3), m[:, :, :, None, None], out=J)
-        return r, J.reshape(B, r.shape[1], -1)
+        J = J.reshape(B, r.shape[1], -1)
+        if coef is not None and coef.shape[-1] < coef.shape[-2]:     # the start columns from their basis
+            J = torch.cat([J[..., :n_w], J[..., n_w:] @ coef.mT.to(J.dtype)], -1)
+        return r, J
 
     def loss(self, w: torch.Tensor, x0: Optional[torch.Tensor]) -> torch.Tensor:
         opts = self.opts
@@ -1075,6 +1133,35 @@ class RefineProblem:
             dz = self.z_of(w) - self.z_start + self.prior_offset
             L = L + (self.prior_prec * dz * dz).sum() / max(self.n_obs, 1)
         return L
+
+
+def start_basis(SQ: torch.Tensor, SV: torch.Tensor, n_w: int, rtol: Optional[float] = None):
+    """The start columns of the tangents SQ, SV (B, n_w + E, 3, nf) (the last E: the window starts' projected unit
+    offsets) replaced by a basis of their span: returns SQ', SV' (B, n_w + k, 3, nf) and coef (B, E, k) with
+    start column i = sum_j coef[:, i, j] x basis column j, k the most singular values above ``rtol`` x the largest
+    in any window (positions scaled by X0_UNIT_M, velocities by V0_UNIT_MPS, so a unit offset of either has norm
+    1). The tangent model is linear in its starting directions, so the k pushed-through basis columns give all E
+    columns (rtol default :data:`START_BASIS_RTOL`: what is dropped lies orders of magnitude below what is kept).
+    Unchanged (coef with k = E) when nothing would be dropped, and for rtol = 0."""
+    rtol = START_BASIS_RTOL if rtol is None else rtol
+    B, C, _, nf = SQ.shape
+    E = C - n_w
+    whole = SQ, SV, torch.eye(E, dtype=SQ.dtype, device=SQ.device).expand(B, E, E)
+    M = torch.cat([SQ[:, n_w:].reshape(B, E, -1) / X0_UNIT_M, SV[:, n_w:].reshape(B, E, -1) / V0_UNIT_MPS], -1)
+    if E == 0 or not rtol > 0 or not bool(torch.isfinite(M).all()):    # non-finite: whole, for the caller to see
+        return whole
+    # the span from the eigenvectors of M^T M (singular values squared), not an SVD of M: batched, torch's SVD failed
+    # to converge on one finite 54 x 54 window of the generality suite's tower (test_generality.py, "ill-conditioned";
+    # its kept singular values 0.91-1.0, the dropped 1.7e-5 and below), which the symmetric solver takes
+    ev, V = torch.linalg.eigh(M.mT @ M)                                   # ascending
+    k = max(int((ev > rtol ** 2 * ev[:, -1:]).sum(dim=1).max()), 1)
+    if k >= E:
+        return whole
+    basis = V[..., -k:].mT                                                # (B, k, 6 nf), orthonormal rows
+    bq = basis[..., :3 * nf].reshape(B, k, 3, nf) * X0_UNIT_M
+    bv = basis[..., 3 * nf:].reshape(B, k, 3, nf) * V0_UNIT_MPS
+    return (torch.cat([SQ[:, :n_w], bq], 1).contiguous(), torch.cat([SV[:, :n_w], bv], 1).contiguous(),
+            M @ basis.mT)
 
 
 def _hermite(U: torch.Tensor, Ut: torch.Tensor, tau: torch.Tensor, tq: torch.Tensor):
@@ -1306,21 +1393,25 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
     KB = prob.K @ prob.B
     has_prior = bool((prob.prior_prec > 0).any())
 
-    def f_of(wv, xv):
-        """(loss, residuals (B, R)) at wv, xv."""
-        with torch.no_grad():
-            r = prob.residuals(wv, xv)
-            f = float((r * r).sum())
-            if has_prior:
-                dz = KB @ wv[:nb] + prob.prior_offset
-                f += sig2 * float((prob.prior_prec * dz * dz).sum())
-        return f, r.reshape(r.shape[0], -1)
+    def loss_of(r, wv) -> float:
+        f = float((r * r).sum())
+        if has_prior:
+            dz = KB @ wv[:nb] + prob.prior_offset
+            f += sig2 * float((prob.prior_prec * dz * dz).sum())
+        return f
 
-    def gradients(Jw, Je, r, wv):
-        gw = torch.einsum("bri,br->i", Jw, r)
+    def f_of(wv, xv):
+        """(loss, residuals (B, R), the gradient (g_w, g_e) with the last normal equations' Jacobian) at wv, xv."""
+        with torch.no_grad():
+            r, gw_b, ge = prob.residual_gradients(wv, xv)
+        return loss_of(r, wv), r, gradients(gw_b, ge, wv)
+
+    def gradients(gw_b, ge, wv):
+        """(g_w, g_e) from the windows' J^T r: g_w summed over the windows, with the prior's."""
+        gw = gw_b.sum(dim=0)
         if has_prior:
             gw[:nb] += Hp @ wv[:nb] + gp0
-        return gw, (None if Je is None else torch.einsum("bri,br->bi", Je, r))
+        return gw, ge
 
     def solve(A, Ainv, Hwe, gw, ge):
         """The step (dw, dx) from the (damped, Schur-reduced) normal equations."""
@@ -1346,7 +1437,9 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
         gp0 = sig2 * (KB.T @ (prob.prior_prec * prob.prior_offset))
     lam = opts.lm_lambda
     chi2_gains: List[float] = []          # each iteration's decrease of chi^2 (see converged_chi2 for the unit)
-    f, r = f_of(w.detach(), None if x0 is None else x0.detach())
+    with torch.no_grad():
+        r = prob.residuals(w.detach(), None if x0 is None else x0.detach())
+    f, r = loss_of(r, w.detach()), r.reshape(r.shape[0], -1)
     if not math.isfinite(f):
         raise DivergenceError("refine: non-finite loss at the starting point (poisoned data or an unstable "
                               "rollout; try a smaller sim_dt)")
@@ -1354,19 +1447,15 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
     record(f / norm)
     for it in range(opts.max_iter):
         counters["iter"] = it + 1
-        r, Jw, Je = prob.jacobian_blocks(w.detach(), None if x0 is None else x0.detach(), opts.jacobian,
-                                         opts.tangent_dtype)
-        if not (torch.all(torch.isfinite(Jw)) and (Je is None or torch.all(torch.isfinite(Je)))):
+        r, Hww, Hwe, Hee, gw_b, ge = prob.normal_blocks(w.detach(), None if x0 is None else x0.detach(),
+                                                        opts.jacobian, opts.tangent_dtype)
+        if not all(bool(torch.all(torch.isfinite(t))) for t in (Hww, Hwe, Hee, gw_b, ge) if t is not None):
             notes.append("non-finite Jacobian; stopped at the best point")
             return False
-        Hww = torch.einsum("bri,brj->ij", Jw, Jw)
+        Hww = Hww.sum(dim=0)
         if has_prior:
             Hww[:nb, :nb] += Hp
-        gw, ge = gradients(Jw, Je, r, w.detach())
-        Hwe = Hee = None
-        if Je is not None:
-            Hwe = torch.einsum("bri,brj->bij", Jw, Je)
-            Hee = torch.einsum("bri,brj->bij", Je, Je)
+        gw, ge = gradients(gw_b, ge, w.detach())
         accepted = False
         f_start = f
         for _ in range(12):
@@ -1374,7 +1463,7 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
             dW = dW.clamp_min(1e-12 * (float(dW.max()) if dW.numel() else 0.0) + 1e-300)   # nothing free: starts only
             A = Hww + lam * torch.diag(dW)
             Ainv = None
-            if Je is not None:
+            if Hee is not None:
                 dE = torch.diagonal(Hee, dim1=-2, dim2=-1)
                 dE = dE.clamp_min(1e-12 * float(dE.max()) + 1e-300)
                 Ainv = truncated_inverse(Hee + lam * torch.diag_embed(dE), X0_RCOND ** 2)
@@ -1386,7 +1475,7 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
                 lam *= 10.0
                 continue
             w_new, x_new = take(w.detach(), None if x0 is None else x0.detach(), dw, dx)
-            f_new, r_new = f_of(w_new, x_new)
+            f_new, r_new, g_new = f_of(w_new, x_new)
             if math.isfinite(f_new) and f_new < f:
                 accept(w_new, x_new, f_new)
                 lam = max(lam / 3.0, 1e-9)
@@ -1400,19 +1489,18 @@ def _levenberg_marquardt(prob: RefineProblem, w: torch.Tensor, x0: Optional[torc
         # chord steps: the same normal equations with fresh residuals (one rollout each instead of a
         # Jacobian), while each still gains at least half of what the one before it gained
         gain = f - f_new
-        f, r = f_new, r_new
+        f, r, (gw, ge) = f_new, r_new, g_new
         for _ in range(opts.lm_chord_steps):
-            gw, ge = gradients(Jw, Je, r, w.detach())
             try:
                 dw, dx = solve(A, Ainv, Hwe, gw, ge)
             except RuntimeError:
                 break
             w_new, x_new = take(w.detach(), None if x0 is None else x0.detach(), dw, dx)
-            f_new, r_new = f_of(w_new, x_new)
+            f_new, r_new, g_new = f_of(w_new, x_new)
             if not (math.isfinite(f_new) and f_new < f):
                 break
             accept(w_new, x_new, f_new)
-            step_gain, f, r = f - f_new, f_new, r_new
+            step_gain, f, r, (gw, ge) = f - f_new, f_new, r_new, g_new
             if step_gain < 0.5 * gain:
                 break
             gain = step_gain
