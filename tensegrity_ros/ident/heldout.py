@@ -174,10 +174,10 @@ def fitted_start_mse(prob: RefineProblem, params: Params, delay_s: float = 0.0, 
     with torch.no_grad():
         cur = mse_of(x0)
         for _ in range(max(int(iterations), 0)):
-            # the starts' columns alone (the parameters are held); J_e^+ r through the normal equations with the squared cut (the same directions as a pseudo-inverse
-            # cut at X0_RCOND): the products formed where the Jacobian is (a window worker), a 6 nf
-            # eigendecomposition per window instead of an SVD of the window's rows (the held-out check's 88 SVDs
-            # took 1.4 s on the 16-s bag, stop 54)
+            # the starts' columns alone (the parameters are held); J_e^+ r through the normal equations with the
+            # squared cut (the same directions as a pseudo-inverse cut at X0_RCOND): the products formed where the
+            # Jacobian is (a window worker), a 6 nf eigendecomposition per window instead of an SVD of the window's
+            # rows (the held-out check's 88 SVDs took 1.4 s on the 16-s bag, stop 54)
             _, _, _, Hee, _, ge = p.normal_blocks(w, x0, "auto", tangent_dtype, True)
             Hee, ge = Hee.to(torch.float64), ge.to(torch.float64)
             step = (truncated_inverse(Hee, X0_RCOND ** 2) @ ge.unsqueeze(-1)).squeeze(-1)

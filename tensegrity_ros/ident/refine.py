@@ -104,7 +104,7 @@ START_PROJECTION_ITERS = 2
 #: start steps along the weakest directions kept at 1e-4 left the linear range near the optimum (on the README's
 #: 16-s bag a last-rung step predicted to lower chi^2 by 13 raised it by 78 with its start part alone, a tenth of
 #: it did what the linear model said); each rejected step raised the damping, which shortened the parameters'
-#: steps too, and the last rung crawled and stopped short: 8 iterations to a loss 2.6 chi^2 above the one 1e-3
+#: steps too, and the last rung crawled and stopped short: 8 iterations to a loss 2.2 chi^2 above the one 1e-3
 #: reaches in 6, stiffness median error 2.9 % against 0.35 %. 1e-2 cuts real information (a higher loss).
 X0_RCOND = 1e-3
 #: relative singular-value cut of each window's projected start tangents (:func:`start_basis`), with positions
@@ -1011,16 +1011,16 @@ class RefineProblem:
         The Jacobian stays with the problem (with a window worker's share, in that worker), where
         :meth:`residual_gradients` multiplies later residuals by it. Why: Levenberg-Marquardt needs only these
         products, and the Jacobian itself (~60 MB for the manipulator's 7 one-second windows) crossed a pipe
-        and was multiplied out in the parent while the workers waited (py-spy, the README's 16-s bag: ~3 s)."""
+        and was multiplied out in the parent while the workers waited (py-spy on the README's 16-s bag, stop 54:
+        1.7 s of those products and the concatenation in the parent, 1.8 s receiving)."""
         if self._workers is not None:
             return self._workers.map("normal_blocks", w.detach(), None if x0 is None else x0.detach(), method,
                                      tangent_dtype, starts_only)
         r, Jw, Je = self.jacobian_blocks(w, x0, method, tangent_dtype, starts_only)
         self._kept_jacobian = (self, Jw, Je)
         rc = r.unsqueeze(-1)
-        blocks = (r, Jw.mT @ Jw, None if Je is None else Jw.mT @ Je, None if Je is None else Je.mT @ Je,
-                  (Jw.mT @ rc).squeeze(-1), None if Je is None else (Je.mT @ rc).squeeze(-1))
-        return blocks
+        return (r, Jw.mT @ Jw, None if Je is None else Jw.mT @ Je, None if Je is None else Je.mT @ Je,
+                (Jw.mT @ rc).squeeze(-1), None if Je is None else (Je.mT @ rc).squeeze(-1))
 
     def residual_gradients(self, w: torch.Tensor, x0: Optional[torch.Tensor]):
         """Residuals r (B, R) at (w, x0) with J_w^T r (B, n_w) and J_e^T r (B, E) (None without x0), J the
@@ -1065,7 +1065,8 @@ class RefineProblem:
                           starts_only: bool = False):
         """Residuals (B, R) and Jacobian (B, R, C) from ONE rollout of the tangent-linear model
         (:mod:`tensegrity_ros.engine.tangent`) in ``dtype`` (default: the problem's); columns as
-        :meth:`jacobian_blocks` (only the window starts' with ``starts_only``)."""
+        :meth:`jacobian_blocks` (only the window starts' with ``starts_only``), the starts' formed from a basis of
+        their span pushed through the model (:func:`start_basis`)."""
         from ..engine import native, tangent
         from ..engine.nodal import prepare
         c, B = self.engine.constants, self.B_win
