@@ -47,7 +47,8 @@ CALIBRATIONS = ("sandwich", "none")
 #: pseudo-inverse cut at n eps ~ 2e-14, amid that floor, kept or dropped some of them by chance: the standard
 #: deviations of the manipulator's 16-s bag moved 0.4 % when the tangent kernel summed in another order (stop 54).
 #: Cut at 1e-12 they agree to 1e-5 between the two orders (and lie -10 to +0.5 %, median -1 %, from the plain
-#: pseudo-inverse's); cut where the fit truncates (1e-8) they fell up to 60 %, treating those starts as known.
+#: pseudo-inverse's); cut where the fit truncated (1e-8; X0_RCOND ** 2 = 1e-6 since stop 55) they fell up to 60 %,
+#: treating those starts as known.
 START_ELIMINATION_RTOL = 1e-12
 
 
