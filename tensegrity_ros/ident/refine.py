@@ -1018,9 +1018,8 @@ class RefineProblem:
                                      tangent_dtype, starts_only)
         r, Jw, Je = self.jacobian_blocks(w, x0, method, tangent_dtype, starts_only)
         self._kept_jacobian = (self, Jw, Je)
-        rc = r.unsqueeze(-1)
         return (r, Jw.mT @ Jw, None if Je is None else Jw.mT @ Je, None if Je is None else Je.mT @ Je,
-                (Jw.mT @ rc).squeeze(-1), None if Je is None else (Je.mT @ rc).squeeze(-1))
+                *_transposed_times(Jw, Je, r))
 
     def residual_gradients(self, w: torch.Tensor, x0: Optional[torch.Tensor]):
         """Residuals r (B, R) at (w, x0) with J_w^T r (B, n_w) and J_e^T r (B, E) (None without x0), J the
@@ -1036,8 +1035,7 @@ class RefineProblem:
         _, Jw, Je = kept
         with torch.no_grad():
             r = self.residuals(w, x0).reshape(self.B_win, -1)
-        rc = r.unsqueeze(-1)
-        return r, (Jw.mT @ rc).squeeze(-1), None if Je is None else (Je.mT @ rc).squeeze(-1)
+        return (r, *_transposed_times(Jw, Je, r))
 
     def _start_tangents(self, der, dth, x0: Optional[torch.Tensor], n_w: int):
         """Reduced start states Q0, V0 (B, 3, nf) (as :meth:`simulate` starts) and their tangents (B, C, 3, nf)
@@ -1136,6 +1134,12 @@ class RefineProblem:
         return L
 
 
+def _transposed_times(Jw: torch.Tensor, Je: Optional[torch.Tensor], r: torch.Tensor):
+    """Per window J_w^T r (B, n_w) and J_e^T r (B, E) (None without J_e): J (B, R, n), r (B, R)."""
+    rc = r.unsqueeze(-1)
+    return (Jw.mT @ rc).squeeze(-1), None if Je is None else (Je.mT @ rc).squeeze(-1)
+
+
 def start_basis(SQ: torch.Tensor, SV: torch.Tensor, n_w: int, rtol: Optional[float] = None):
     """The start columns of the tangents SQ, SV (B, n_w + E, 3, nf) (the last E: the window starts' projected unit
     offsets) replaced by a basis of their span: returns SQ', SV' (B, n_w + k, 3, nf) and coef (B, E, k) with
@@ -1148,8 +1152,10 @@ def start_basis(SQ: torch.Tensor, SV: torch.Tensor, n_w: int, rtol: Optional[flo
     B, C, _, nf = SQ.shape
     E = C - n_w
     whole = SQ, SV, torch.eye(E, dtype=SQ.dtype, device=SQ.device).expand(B, E, E)
+    if E == 0 or not rtol > 0:
+        return whole
     M = torch.cat([SQ[:, n_w:].reshape(B, E, -1) / X0_UNIT_M, SV[:, n_w:].reshape(B, E, -1) / V0_UNIT_MPS], -1)
-    if E == 0 or not rtol > 0 or not bool(torch.isfinite(M).all()):    # non-finite: whole, for the caller to see
+    if not bool(torch.isfinite(M).all()):                 # non-finite: left whole, for the caller's check to see
         return whole
     # the span from the eigenvectors of M^T M (singular values squared), not an SVD of M: batched, torch's SVD failed
     # to converge on one finite 54 x 54 window of the generality suite's tower (test_generality.py, "ill-conditioned";
