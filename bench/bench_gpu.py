@@ -1,10 +1,12 @@
 """The GPU path, measured (issue 20 item 4): the engine's throughput on CUDA up to batch 65 536, beside
 ``mujoco.rollout`` on the same machine's CPU cores; the identification's tangent step (time and kernel launches
-per step, 1 to 64 windows); and ``tensegrity identify`` on the README's 16-s manipulator bag with ``--device cuda``
-and ``--device cpu`` on the same machine, with each run's error against the truth.
+per step, 1 to 64 windows); the online identifier's update (``fit_window``, what its worker runs) on CUDA and on
+the CPU; and ``tensegrity identify`` on the README's 16-s manipulator bag with ``--device cuda`` and
+``--device cpu`` on the same machine, with each run's error against the truth.
 
     python bench/bench_gpu.py                       # all three parts (on a machine with CUDA; else it says so)
-    python bench/bench_gpu.py --only engine         # or tangent (the identification's inner step), identify
+    python bench/bench_gpu.py --only engine         # or tangent (the identification's inner step), online,
+                                                    # identify
     python bench/bench_gpu.py --bag DIR             # identify this bag (its true_model.yaml beside it) instead of
                                                     # simulating the README's one (which needs MuJoCo)
 
@@ -38,7 +40,7 @@ from tensegrity_ros.validation.scoring import DISPLAY_UNITS, score  # noqa: E402
 
 OUT = REPO_ROOT / "build" / "bench" / "gpu.json"
 #: the bench's parts, in the order they run
-PARTS = ("engine", "tangent", "identify")
+PARTS = ("engine", "tangent", "online", "identify")
 IMG = REPO_ROOT / "docs" / "img"
 MODEL = CONFIG_DIR / "models" / "stacked_manipulator.yaml"
 #: structure -> integrators measured on CUDA (the engine bench's headline integrators, plus the manipulator's
@@ -199,6 +201,68 @@ def tangent_part(res: Dict[str, Any], save, device: str = "cuda", windows: Seque
             save()
 
 
+def online_update(device: str, seconds: float = 8.0):
+    """One online-identifier update on ``device``: ``fit_window`` with the node's shipped parameters, its first
+    update (from the nominal), over ``seconds`` of the simulated manipulator with its stiffnesses and dampings 20 %
+    off (MuJoCo, 0.3 mm marker noise). No time budget: a fit cut by the clock would end at a different iteration
+    on each device. Returns the FitResult and the update's wall time (the simulation left out)."""
+    import numpy as np
+    import yaml
+
+    from tensegrity_ros.engine import params_from_structure
+    from tensegrity_ros.ident import add_marker_noise, make_dataset
+    from tensegrity_ros.ident.online import accept_config, fit_window, update_options
+    from tensegrity_ros.model.perturb import perturb_structure
+    from tensegrity_ros.nodes.online_identifier import PARAMS
+    from tensegrity_ros.references import load_reference, motor_angles
+    from tensegrity_ros.twin import simulate
+
+    p = {spec.name: spec.default for spec in PARAMS}
+    p.update(yaml.safe_load((CONFIG_DIR / "nodes" / "online_identifier.yaml").read_text())
+             ["online_identifier"]["ros__parameters"])
+    p.update(device=device, first_update_max_s=1e9, max_update_s=1e9)
+    nominal = load_structure(MODEL)
+    true = perturb_structure(nominal, 0.2, 0, kinds=("stiffness", "damping"))
+    ref = load_reference(CONFIG_DIR / "references" / "seed_sinusoids_continuous.yaml")
+    traj = simulate(true, lambda t: motor_angles(ref, true.actuators, t), seconds, record_hz=120.0, progress=False,
+                    integrator="RK4")
+    ds = add_marker_noise(make_dataset(traj.times, traj.positions, None, traj.motor_angles), 3e-4,
+                          np.random.default_rng(0))
+    nominal_params = params_from_structure(nominal)
+    stages, options = update_options(p, nominal_params, first=True)
+    t0 = time.perf_counter()
+    out = fit_window(nominal, ds.times, ds.positions, ds.valid, ds.motor_angles,
+                     {n: float(v) for n, v in nominal_params.named().items()}, stages, options, p["holdout_s"],
+                     p["holdout_window_s"], p["holdout_windows"], accept_config(p))
+    return out, time.perf_counter() - t0
+
+
+def online_part(res: Dict[str, Any], save, devices: Sequence[str] = ("cuda", "cpu")) -> None:
+    """The online identifier's first update on each device: wall time, whether it produced a set (else its error),
+    and the largest relative difference of its values from the first device's."""
+    rows = res.setdefault("online", {})
+    first = None
+    for dev in devices:
+        try:
+            out, sec = online_update(dev)
+        except Exception as err:  # noqa: BLE001 - record it, measure the rest
+            import traceback
+            rows[dev] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:500],
+                         "traceback": traceback.format_exc()[-3000:]}
+            _log(f"online update on {dev}: FAILED {rows[dev]['error']}\n{rows[dev]['traceback']}")
+            save()
+            continue
+        row = rows[dev] = {"ok": out.ok, "error": out.error, "wall_s": sec, "timings": out.timings}
+        if out.ok and first is None:
+            first = out.values
+        elif out.ok:
+            row["max_rel_diff_vs_" + devices[0]] = max(abs(out.values[n] / v - 1) for n, v in first.items() if v)
+        _log(f"online update on {dev}: {'ok' if out.ok else 'FAILED ' + out.error}, {sec:.1f} s"
+             + (f", values within {row['max_rel_diff_vs_' + devices[0]]:.1e} of {devices[0]}'s"
+                if "max_rel_diff_vs_" + devices[0] in row else ""))
+        save()
+
+
 def plot(res: Dict[str, Any], path: Path = IMG / "gpu_engine.png") -> Path:
     """Item-steps per second against batch size, per case, eager lines and compiled points, with the same
     machine's ``mujoco.rollout`` as horizontal lines: the figure of docs/engine.md's GPU section."""
@@ -278,7 +342,7 @@ def identify_part(res: Dict[str, Any], save, work: Path, bag: Optional[Path] = N
 def run(parts: Sequence[str] = PARTS, bag: Optional[Path] = None, out: Path = OUT,
         work: Optional[Path] = None, device: str = "cuda", engine_kw: Optional[Dict[str, Any]] = None
         ) -> Dict[str, Any]:
-    """Both parts on ``device`` (``cpu``: a dry run of the same code, for the tests; ``engine_kw``: smaller batches
+    """The parts on ``device`` (``cpu``: a dry run of the same code, for the tests; ``engine_kw``: smaller batches
     for the same reason). Without CUDA and ``device="cuda"``: measures nothing and says so."""
     res: Dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cuda": torch.cuda.is_available(),
                            "measured_on": device}
@@ -302,6 +366,8 @@ def run(parts: Sequence[str] = PARTS, bag: Optional[Path] = None, out: Path = OU
             _log(f"wrote {plot(res)}")
     if "tangent" in parts:
         tangent_part(res, save, device=device)
+    if "online" in parts:
+        online_part(res, save, devices=tuple(dict.fromkeys((device, "cpu"))))
     if "identify" in parts:
         identify_part(res, save, work or out.parent / "gpu_identify", bag, devices=tuple(dict.fromkeys((device, "cpu"))))
     save()
@@ -311,7 +377,7 @@ def run(parts: Sequence[str] = PARTS, bag: Optional[Path] = None, out: Path = OU
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=PARTS, help="one part (default: all three)")
+    ap.add_argument("--only", choices=PARTS, help="one part (default: all four)")
     ap.add_argument("--bag", type=Path, help="identify this bag (default: simulate the README's 16-s bag)")
     ap.add_argument("--out", type=Path, default=OUT, help=f"results JSON (default {OUT})")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",

@@ -33,6 +33,13 @@ def test_windows_are_never_forked_for_a_cuda_problem():
         assert workers is None
 
 
+def _bench_gpu(monkeypatch):
+    """bench/bench_gpu.py as a module."""
+    monkeypatch.syspath_prepend(str(CONFIG_DIR.parent / "bench"))
+    import bench_gpu
+    return bench_gpu
+
+
 @needs_cuda
 def test_engine_rollout_on_cuda_matches_cpu():
     s = load_structure(CONFIG_DIR / "models" / "icosahedron.yaml")
@@ -87,10 +94,24 @@ def test_identify_command_runs_on_cuda(tmp_path):
         assert float(vals["cuda"][n]) == pytest.approx(float(v), rel=1e-6, abs=1e-9), n
 
 
+@needs_cuda
+def test_online_identifier_update_on_cuda_gives_the_cpu_update(monkeypatch):
+    """The online identifier's update (``fit_window``, what its worker runs) with ``device: cuda``: the CPU's
+    values and held-out scores."""
+    pytest.importorskip("mujoco")
+    bench_gpu = _bench_gpu(monkeypatch)
+    out = {dev: bench_gpu.online_update(dev)[0] for dev in ("cpu", "cuda")}
+    for dev, o in out.items():
+        assert o.ok, f"{dev}: {o.error}"
+    assert out["cuda"].values.keys() == out["cpu"].values.keys()
+    for n, v in out["cpu"].values.items():
+        assert out["cuda"].values[n] == pytest.approx(v, rel=1e-6, abs=1e-9), n
+    np.testing.assert_allclose(out["cuda"].holdout_mse, out["cpu"].holdout_mse, rtol=1e-6)
+
+
 def test_gpu_bench_says_when_it_measured_nothing(monkeypatch, tmp_path, capsys):
     """`make bench`'s GPU part, without CUDA: nothing measured, said so, no figures that look measured."""
-    monkeypatch.syspath_prepend(str(CONFIG_DIR.parent / "bench"))
-    import bench_gpu
+    bench_gpu = _bench_gpu(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     res = bench_gpu.run(out=tmp_path / "gpu.json")
     assert res["cuda"] is False and "engine" not in res and "identify" not in res
@@ -101,8 +122,7 @@ def test_gpu_bench_says_when_it_measured_nothing(monkeypatch, tmp_path, capsys):
 def test_gpu_bench_engine_part_dry_run_on_cpu(monkeypatch, tmp_path):
     """The same code on the CPU, small: every case measured, MuJoCo beside it, the ratio and the top-batch figure
     derived from those rates, and the results file holding them."""
-    monkeypatch.syspath_prepend(str(CONFIG_DIR.parent / "bench"))
-    import bench_gpu
+    bench_gpu = _bench_gpu(monkeypatch)
     out = tmp_path / "gpu.json"
     res = bench_gpu.run(parts=("engine",), out=out, device="cpu",
                         engine_kw={"structures": ("icosahedron",), "batches": (1, 8), "compiled_batches": (),
@@ -125,8 +145,7 @@ def test_gpu_bench_tangent_part_dry_run_on_cpu(monkeypatch, tmp_path):
     """The tangent-step measurement on the CPU, small: one row per window count and linearisation batch; stepped one
     at a time, the same operation count whatever the batch (the step's launches do not grow with the windows);
     with the steps linearised together, far fewer operations per step; a positive time."""
-    monkeypatch.syspath_prepend(str(CONFIG_DIR.parent / "bench"))
-    import bench_gpu
+    bench_gpu = _bench_gpu(monkeypatch)
     res = {}
     bench_gpu.tangent_part(res, lambda: None, device="cpu", windows=(1, 2), steps=3, rows=(1, 4096))
     rows = res["tangent_step"]["rows"]
@@ -135,3 +154,26 @@ def test_gpu_bench_tangent_part_dry_run_on_cpu(monkeypatch, tmp_path):
     assert one[0]["aten_ops_per_step"] == one[1]["aten_ops_per_step"] > one[0]["compute_ops_per_step"] > 100
     assert all(b["aten_ops_per_step"] < 0.5 * o["aten_ops_per_step"] for b, o in zip(batched, one))
     assert all(r["ms_per_step"] > 0 for r in rows)
+
+
+def test_gpu_bench_online_part_dry_run_on_cpu(monkeypatch):
+    """The online-update measurement, its code run on the CPU twice (the bench's pairing, CUDA then CPU, with the
+    CPU in both places): both updates produce a set, equal to each other, with a wall time; a failing device is
+    recorded with its traceback and the other still measured."""
+    pytest.importorskip("mujoco")
+    bench_gpu = _bench_gpu(monkeypatch)
+    calls = []
+    real = bench_gpu.online_update
+
+    def update(dev, seconds=8.0):
+        calls.append(dev)
+        if dev == "broken":
+            raise RuntimeError("no such device")
+        return real("cpu", seconds=6.0)
+    monkeypatch.setattr(bench_gpu, "online_update", update)
+    res = {}
+    bench_gpu.online_part(res, lambda: None, devices=("cpu", "broken", "cpu2"))
+    assert calls == ["cpu", "broken", "cpu2"]
+    assert res["online"]["cpu"]["ok"] and res["online"]["cpu"]["wall_s"] > 0
+    assert res["online"]["broken"]["ok"] is False and "no such device" in res["online"]["broken"]["traceback"]
+    assert res["online"]["cpu2"]["max_rel_diff_vs_cpu"] < 1e-9
