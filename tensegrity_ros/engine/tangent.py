@@ -62,20 +62,29 @@ def supports(engine) -> bool:
 
 def param_tangents(c: NodalConstants, fn, w: torch.Tensor) -> ParamTangents:
     """ParamTangents at ``w`` (n,) along its n coordinates. ``fn(W) -> Params`` maps a batch W (k, n) to params
-    batched (k,); one forward-mode evaluation of n copies (torch.func.jacfwd costs ~1 s more per call here)."""
-    import torch.autograd.forward_ad as fwAD
+    batched (k,). Copy b of the batch carries direction b, and each derived constant x (n, ...) gives its column
+    b = dx[b] / dW[b, b] by reverse over reverse: g = J^T u for a dummy u, then d(sum_b g[b, b]) / du.
+
+    Not forward mode (dual numbers), which gives the same columns to the bit: its first call in a process imports
+    torch._dynamo and the forward-mode decompositions, 1.0-1.5 s on this project's 2-core machine, paid by every
+    ``identify`` (in the parent, whose forked window workers then inherit it). This costs 0.35 s on its first call
+    and imports neither (measured on the manipulator, 2026-12-04)."""
     from .nodal import prepare
     n = w.numel()
-    with fwAD.dual_level():
-        W = fwAD.make_dual(w.reshape(1, n).expand(n, n).clone(),
-                           torch.eye(n, dtype=w.dtype, device=w.device))
+    with torch.enable_grad():
+        W = w.detach().reshape(1, n).expand(n, n).clone().requires_grad_(True)
         p = fn(W)
         der = prepare(c, p)
         out = []
         for x in (der.EA, der.zeta, der.xi00, der.Y, der.z, p.mass, der.kc):
-            t = fwAD.unpack_dual(x).tangent
-            out.append(torch.zeros_like(fwAD.unpack_dual(x).primal) if t is None else t)
-    return ParamTangents(*(x.movedim(0, -1).contiguous() for x in out))
+            t = None
+            if x.requires_grad:
+                u = torch.zeros_like(x, requires_grad=True)
+                g, = torch.autograd.grad(x, W, u, create_graph=True)
+                if g.requires_grad:
+                    t, = torch.autograd.grad(g.diagonal().sum(), u, allow_unused=True)
+            out.append(torch.zeros_like(x) if t is None else t)
+    return ParamTangents(*(x.detach().movedim(0, -1).contiguous() for x in out))
 
 
 def _kron_cols(x: torch.Tensor, M: torch.Tensor) -> torch.Tensor:

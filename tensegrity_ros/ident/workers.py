@@ -83,25 +83,12 @@ def can_fork(device) -> bool:
             and not multiprocessing.current_process().daemon)        # a daemonic process may not have children
 
 
-def _import_lazy_torch_modules() -> None:
-    """Import, in the parent, the torch modules that the windows' code imports on its first call, so that every
-    forked worker inherits them. Left to the workers, each imported them afresh: torch._dynamo (first call of a
-    ``_disable_dynamo``-wrapped op) and the forward-mode decompositions took 1.4-2.1 s per worker, and identify
-    forks two workers per ladder rung and per check (py-spy, the README's 16-s bag: ~20 s of CPU, ~10 s of wall
-    time on 2 cores). The parent pays once (~1.3 s); on the actuated pendulum a second pool's first Jacobian then
-    took 0.13-0.16 s instead of 1.44-1.52 s (2026-11-28)."""
-    import torch._dynamo  # noqa: F401
-    from torch.autograd import forward_ad
-    getattr(forward_ad, "_maybe_load_decompositions", lambda: None)()      # private: absent in another torch
-
-
 class WindowWorkers:
     """``n`` forked processes, each evaluating a fixed contiguous share of ``problem``'s windows: one pool of one
     process per share, so that a share always goes to the same process (a shared pool hands a call to whichever
     process is free, and what a process kept from the share's last call would then sit in the other one)."""
 
     def __init__(self, problem, n: int):
-        _import_lazy_torch_modules()
         self.problem = problem
         self.shares = [a.tolist() for a in np.array_split(np.arange(problem.B_win), n)]
         self.failure: Optional[str] = None
