@@ -80,7 +80,9 @@ def param_tangents(c: NodalConstants, fn, w: torch.Tensor) -> ParamTangents:
             t = None
             if x.requires_grad:
                 u = torch.zeros_like(x, requires_grad=True)
-                g, = torch.autograd.grad(x, W, u, create_graph=True)
+                # (x u).sum() rather than grad_outputs=u: torch.autograd.grad imports torch.fx's symbolic shapes
+                # (0.4 s) on its first call with grad_outputs, in every forked window worker
+                g, = torch.autograd.grad((x * u).sum(), W, create_graph=True)
                 if g.requires_grad:
                     t, = torch.autograd.grad(g.diagonal().sum(), u, allow_unused=True)
             out.append(torch.zeros_like(x) if t is None else t)
