@@ -142,6 +142,10 @@ def test_window_workers_match_in_process_blocks_and_survive_a_killed_worker(pend
         assert not torch.allclose(r_new, r1)
         for a, b in zip((r_new, _mv(Jw1, r_new), _mv(Je1, r_new)), prob.residual_gradients(w + 0.01, x0)):
             torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-15)
+        # J^T v for any per-window v (the covariance's prediction change), with that same Jacobian
+        v = torch.randn(r1.shape, dtype=r1.dtype, generator=torch.Generator().manual_seed(1))
+        for a, b in zip((_mv(Jw1, v), _mv(Je1, v)), prob.transposed_times(w + 0.01, v)):
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-15)
         # the workers killed (as by the out-of-memory killer): the call finishes in this process, and says so
         for pool in workers._pools:
             for pid in list(pool._processes):
@@ -150,7 +154,10 @@ def test_window_workers_match_in_process_blocks_and_survive_a_killed_worker(pend
         torch.testing.assert_close(r3, r1, rtol=1e-12, atol=1e-15)
         assert workers.failure and "one process" in workers.failure and prob._workers is None
     assert prob._workers is None
-    # this process kept no Jacobian (the workers did): the gradients take one at the point asked
+    # this process kept no Jacobian (the workers did): J^T v takes it again where the last normal equations were
+    # formed (w, x0), and the gradients take one at the point asked
+    for a, b in zip((_mv(Jw1, v), _mv(Je1, v)), prob.transposed_times(w, v)):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-15)
     for a, b in zip((r1, _mv(Jw1, r1), _mv(Je1, r1)), prob.residual_gradients(w, x0)):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-15)
 

@@ -1014,6 +1014,9 @@ class RefineProblem:
         and was multiplied out in the parent while the workers waited (py-spy on the README's 16-s bag, stop 54:
         1.7 s of those products and the concatenation in the parent, 1.8 s receiving)."""
         if self._workers is not None:
+            # where the Jacobian was taken, for a parent that has to finish alone (a worker stopped)
+            self._normal_point = (w.detach(), None if x0 is None else x0.detach(), method, tangent_dtype, starts_only)
+            self._kept_jacobian = None          # one kept in this process earlier is not this point's
             return self._workers.map("normal_blocks", w.detach(), None if x0 is None else x0.detach(), method,
                                      tangent_dtype, starts_only)
         r, Jw, Je = self.jacobian_blocks(w, x0, method, tangent_dtype, starts_only)
@@ -1036,6 +1039,22 @@ class RefineProblem:
         with torch.no_grad():
             r = self.residuals(w, x0).reshape(self.B_win, -1)
         return (r, *_transposed_times(Jw, Je, r))
+
+    def transposed_times(self, w: torch.Tensor, v: torch.Tensor):
+        """J_w^T v (B, n_w) and J_e^T v (B, E) (None without starts) for per-window vectors v (B, R), J the
+        Jacobian of the last :meth:`normal_blocks` (formed where that Jacobian stays; ``w`` only routes the call
+        like the other window methods). Without a kept Jacobian (a worker stopped after forming it) it is taken
+        again where the last :meth:`normal_blocks` took it."""
+        if self._workers is not None:
+            return self._workers.map("transposed_times", w.detach(), v)
+        kept = getattr(self, "_kept_jacobian", None)
+        if kept is None or kept[0] is not self:
+            point = getattr(self, "_normal_point", None)
+            if point is None:
+                raise RuntimeError("RefineProblem.transposed_times: no Jacobian kept (call normal_blocks first)")
+            self.normal_blocks(*point)
+            kept = self._kept_jacobian
+        return _transposed_times(kept[1], kept[2], v.reshape(self.B_win, -1).to(kept[1].dtype))
 
     def _start_tangents(self, der, dth, x0: Optional[torch.Tensor], n_w: int):
         """Reduced start states Q0, V0 (B, 3, nf) (as :meth:`simulate` starts) and their tangents (B, C, 3, nf)

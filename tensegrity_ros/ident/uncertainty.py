@@ -182,23 +182,25 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     ne = 6 * nf if x0 is not None else 0
     w = w.detach()
 
+    d_sub = None
+    if prediction_change is not None:
+        d_sub = prediction_change.detach().to(device=prob.device, dtype=prob.dtype)
+        d_sub = d_sub.index_select(0, torch.as_tensor(idx, device=d_sub.device))
+    # the normal equations' blocks per window, formed where the Jacobian is (a window worker), and J^T d there too
     with window_workers(sub, prob.opts.workers):
-        rsub, Jw, Je = sub.jacobian_blocks(w, x0s, jacobian)           # (Bs, R), (Bs, R, n_w), (Bs, R, ne)
-    Hww = torch.einsum("bri,brj->ij", Jw, Jw)
-    if Je is not None:
-        Hwe = torch.einsum("bri,brj->bij", Jw, Je)
-        Hee = torch.einsum("bri,brj->bij", Je, Je)
+        _, Hww_b, Hwe, Hee, gw_b, ge = sub.normal_blocks(w, x0s, jacobian)
+        Jtd = None if d_sub is None else sub.transposed_times(w, d_sub)
+    Hww = Hww_b.sum(dim=0)
+    if Hee is not None:
         Heep = truncated_inverse(Hee, START_ELIMINATION_RTOL)
         Hww = Hww - torch.einsum("bij,bjk,blk->il", Hwe, Heep, Hwe)
 
-    def window_scores(v: torch.Tensor) -> torch.Tensor:
-        """(Bs, n_w) per-window J_w^T v with each window's start eliminated (Schur): J_w^T v - H_we H_ee^+ J_e^T v."""
-        s = torch.einsum("bri,br->bi", Jw, v)
-        if Je is not None:
-            s = s - torch.einsum("bij,bjk,bk->bi", Hwe, Heep, torch.einsum("brk,br->bk", Je, v))
-        return s
+    def window_scores(Jw_v: torch.Tensor, Je_v: Optional[torch.Tensor]) -> torch.Tensor:
+        """(Bs, n_w) per-window J_w^T v with each window's start eliminated (Schur): J_w^T v - H_we H_ee^+ J_e^T v,
+        from J_w^T v and J_e^T v."""
+        return Jw_v if Je_v is None else Jw_v - torch.einsum("bij,bjk,bk->bi", Hwe, Heep, Je_v)
 
-    score = window_scores(rsub)                                         # (Bs, n_w) per-window score
+    score = window_scores(gw_b, ge)                                     # (Bs, n_w) per-window score
     Hww = 0.5 * (Hww + Hww.T) * scale
     Hdata = Hww.detach().cpu().double().numpy()
     meat_block = scale * (score.T @ score).detach().cpu().double().numpy()   # sum over windows of g_k g_k^T
@@ -239,9 +241,7 @@ def gauss_newton_covariance(problem: RefineProblem, w: torch.Tensor, x0: Optiona
     if prediction_change is not None:
         # the residual becomes r + d: at the optimum (J^T r + the prior's gradient = 0) the Gauss-Newton step is
         # -H^-1 J^T d, the windows' starts eliminated as in the score above
-        d = prediction_change.detach().to(device=rsub.device, dtype=rsub.dtype)
-        d = d.index_select(0, torch.as_tensor(idx, device=d.device)).reshape(rsub.shape)
-        dw_change = -(Hinv @ (scale * window_scores(d).sum(dim=0).detach().cpu().double().numpy()))
+        dw_change = -(Hinv @ (scale * window_scores(*Jtd).sum(dim=0).detach().cpu().double().numpy()))
     calib: Dict[str, np.ndarray] = {}
     if calibrate == "sandwich":
         # the estimate's error is H^-1 (sum_k g_k + sigma^2 P (prior mean - truth)), g_k = window k's score:
