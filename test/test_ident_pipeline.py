@@ -147,3 +147,22 @@ def test_a_window_the_model_cannot_follow_is_set_aside(noisy):
     assert res.values()["s1.stiffness"] == pytest.approx(clean.values()["s1.stiffness"], rel=0.02)
     kept = identify(s, wobbly, stages=("refine",), options=opts.with_flat(set_aside_outlying=False))
     assert not any("set aside" in n for n in kept.notes)          # the library's default: off (online updates)
+
+
+def test_screening_median_equals_numpys():
+    """The screening's sliding-window median (one sort instead of np.nanmedian's slow path for short rows) equals
+    np.nanmedian exactly: odd and even counts of numbers per row, rows of NaN alone, one number alone."""
+    import warnings
+
+    from tensegrity_ros.ident.data import _nanmedian_last
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(200, 5, 3, 13))
+    a[rng.random(a.shape) < 0.2] = np.nan
+    a[0, 0, 0, :] = np.nan
+    a[1, 1, 1, :-1] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)          # numpy's all-NaN rows
+        ref = np.nanmedian(a, axis=-1)
+    got = _nanmedian_last(a)
+    assert np.isnan(got[0, 0, 0]) and got[1, 1, 1] == a[1, 1, 1, -1]
+    assert np.array_equal(got, ref, equal_nan=True)

@@ -257,6 +257,24 @@ def test_a_window_starts_where_a_marker_is_missing(pendulum_data):
     assert edge.window_ids[1:] == gappy.window_ids[1:] and edge.window_ids[0][1] > 0
 
 
+def test_derivatives_are_kept_by_content_not_by_identity(pendulum_data):
+    """Stage 2 builds a problem from the same recording for every rung and check: the smoothed derivatives are
+    computed once per content (a copy hits), again when an array changed in place, and handed out read-only."""
+    from tensegrity_ros.ident.data import derivatives
+    _, _, _, ds = pendulum_data
+    ds = dataclasses.replace(ds, velocities=None, valid=ds.valid.copy())
+    first = derivatives(ds, "smooth", window_s=0.1)
+    copy = dataclasses.replace(ds, positions=ds.positions.copy(), valid=ds.valid.copy())
+    assert derivatives(copy, "smooth", window_s=0.1) is first
+    assert derivatives(ds, "smooth", window_s=0.2) is not first          # another argument: another result
+    assert not first.velocities.flags.writeable
+    with pytest.raises(ValueError):
+        first.velocities[0] = 0.0
+    ds.valid[5, :] = False                                              # changed in place
+    again = derivatives(ds, "smooth", window_s=0.1)
+    assert again is not first and not again.ok[5].any() and first.ok[5].any()
+
+
 def test_only_windows_fits_exactly_the_windows_named(pendulum_data):
     """``only_windows`` cuts exactly the windows it names (the window jackknife refits a fit's windows less one),
     whatever ``max_windows`` would have spread, and refuses a window these recordings do not have."""
