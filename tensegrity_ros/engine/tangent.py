@@ -67,8 +67,8 @@ def param_tangents(c: NodalConstants, fn, w: torch.Tensor) -> ParamTangents:
 
     Not forward mode (dual numbers), which gives the same columns to the bit: its first call in a process imports
     torch._dynamo and the forward-mode decompositions, 1.0-1.5 s on this project's 2-core machine, paid by every
-    ``identify`` (in the parent, whose forked window workers then inherit it). This costs 0.35 s on its first call
-    and imports neither (measured on the manipulator, 2026-12-04)."""
+    ``identify`` (in the parent, whose forked window workers then inherit it). This takes 4 ms on its first call
+    and imports nothing (measured on the manipulator, 2026-12-04)."""
     from .nodal import prepare
     n = w.numel()
     with torch.enable_grad():

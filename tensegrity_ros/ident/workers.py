@@ -86,7 +86,12 @@ def can_fork(device) -> bool:
 class WindowWorkers:
     """``n`` forked processes, each evaluating a fixed contiguous share of ``problem``'s windows: one pool of one
     process per share, so that a share always goes to the same process (a shared pool hands a call to whichever
-    process is free, and what a process kept from the share's last call would then sit in the other one)."""
+    process is free, and what a process kept from the share's last call would then sit in the other one).
+
+    Each rung and check forks its own workers, so a module that the windows' code imports lazily on its first call
+    is imported again in every worker: torch._dynamo and the forward-mode decompositions (1.4-2.1 s per worker)
+    until the parameter tangents left forward mode, and torch.fx's symbolic shapes (0.4 s) through
+    ``torch.autograd.grad`` with ``grad_outputs`` (stop 56; docs/identification.md, "Stop 56")."""
 
     def __init__(self, problem, n: int):
         self.problem = problem
