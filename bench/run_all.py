@@ -110,6 +110,9 @@ HEADLINES = [
     ("gpu", "identify.cuda.real_time_factor", "GPU: identify 16-s bag on cuda, wall / recording", "<= 1",
      lambda v: v <= 1),
     ("gpu", "identify.cpu.real_time_factor", "GPU machine: identify on its CPU, wall / recording", "(paired)", lambda v: True),
+    ("gpu", "online.cuda.wall_s", "GPU: online identifier's first update on cuda [s]", "(paired)", lambda v: True),
+    ("gpu", "online.cpu.max_rel_diff_vs_cuda", "GPU machine: that update on its CPU, largest relative difference",
+     "(report)", lambda v: True),
 ]
 
 
