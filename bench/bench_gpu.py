@@ -205,7 +205,11 @@ def online_update(device: str, seconds: float = 8.0):
     """One online-identifier update on ``device``: ``fit_window`` with the node's shipped parameters, its first
     update (from the nominal), over ``seconds`` of the simulated manipulator with its stiffnesses and dampings 20 %
     off (MuJoCo, 0.3 mm marker noise). No time budget: a fit cut by the clock would end at a different iteration
-    on each device. Returns the FitResult and the update's wall time (the simulation left out)."""
+    on each device. Returns the FitResult and the update's wall time (the simulation left out).
+
+    The parameters come from the node's shipped YAML alone (it sets every one the update reads), not from the
+    node module's table: importing the node imports the ROS messages, which a GPU machine without ROS lacks (the
+    H200 of 2026-12-04 failed the CUDA test of this update on that import)."""
     import numpy as np
     import yaml
 
@@ -213,12 +217,10 @@ def online_update(device: str, seconds: float = 8.0):
     from tensegrity_ros.ident import add_marker_noise, make_dataset
     from tensegrity_ros.ident.online import accept_config, fit_window, update_options
     from tensegrity_ros.model.perturb import perturb_structure
-    from tensegrity_ros.nodes.online_identifier import PARAMS
     from tensegrity_ros.references import load_reference, motor_angles
     from tensegrity_ros.twin import simulate
 
-    p = {spec.name: spec.default for spec in PARAMS}
-    p.update(yaml.safe_load((CONFIG_DIR / "nodes" / "online_identifier.yaml").read_text())
+    p = dict(yaml.safe_load((CONFIG_DIR / "nodes" / "online_identifier.yaml").read_text())
              ["online_identifier"]["ros__parameters"])
     p.update(device=device, first_update_max_s=1e9, max_update_s=1e9)
     nominal = load_structure(MODEL)
