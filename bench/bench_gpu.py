@@ -241,9 +241,9 @@ def online_update(device: str, seconds: float = 8.0):
 
 def online_part(res: Dict[str, Any], save, devices: Sequence[str] = ("cuda", "cpu")) -> None:
     """The online identifier's first update on each device: wall time, whether it produced a set (else its error),
-    and the largest relative difference of its values from the first device's."""
+    and the largest relative difference of its values from those of the first device that produced one."""
     rows = res.setdefault("online", {})
-    first = None
+    first = None                        # (device, values) of the first update that produced a set
     for dev in devices:
         try:
             out, sec = online_update(dev)
@@ -255,13 +255,14 @@ def online_part(res: Dict[str, Any], save, devices: Sequence[str] = ("cuda", "cp
             save()
             continue
         row = rows[dev] = {"ok": out.ok, "error": out.error, "wall_s": sec, "timings": out.timings}
+        line = f"online update on {dev}: {'ok' if out.ok else 'FAILED ' + out.error}, {sec:.1f} s"
         if out.ok and first is None:
-            first = out.values
+            first = (dev, out.values)
         elif out.ok:
-            row["max_rel_diff_vs_" + devices[0]] = max(abs(out.values[n] / v - 1) for n, v in first.items() if v)
-        _log(f"online update on {dev}: {'ok' if out.ok else 'FAILED ' + out.error}, {sec:.1f} s"
-             + (f", values within {row['max_rel_diff_vs_' + devices[0]]:.1e} of {devices[0]}'s"
-                if "max_rel_diff_vs_" + devices[0] in row else ""))
+            diff = max(abs(out.values[n] / v - 1) for n, v in first[1].items() if v)
+            row[f"max_rel_diff_vs_{first[0]}"] = diff
+            line += f", values within {diff:.1e} of {first[0]}'s"
+        _log(line)
         save()
 
 
