@@ -15,7 +15,10 @@
 * MuJoCo: a Python ``mj_step`` loop (one core) and ``mujoco.rollout`` with nthread = os.cpu_count();
 * agreement with the twin (node positions, mm) on the scenarios of test/test_engine_vs_mujoco.py;
 * the roofline: matrix-product flops per item-step (torch's flop counter, reference layout) times the best batch-1024
-  rate, as a fraction of the float32 GEMM rate measured on the same threads.
+  rate, as a fraction of the float32 GEMM rate measured on the same threads;
+* the compiled path's first call (batch 1, no gradients) in this process, with the inductor cache as the run found
+  it (a fresh clone's is empty: the compile), and again in a NEW process once this one has filled the cache
+  (:func:`first_call_in_new_process`): what a later run pays, the "paid once and cached across runs" of issue 20.
 
 Writes ``build/bench/engine.json`` (keys per structure: engine_b1024_steps_per_s, mujoco_rollout_steps_per_s,
 ratio_b1024_vs_rollout, roofline_b1024, horizon_1s_b1_ms, max_abs_error_vs_mujoco_mm, and the details).
@@ -27,7 +30,9 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -80,8 +85,10 @@ def device_sync(t: torch.Tensor):
     return torch.cuda.synchronize if t.is_cuda else (lambda: None)
 
 
-def engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_batch=None, kernel="inductor"):
-    """item-steps per second of a rollout of ``steps`` steps at batch B (``compile``: by ``kernel``)."""
+def engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_batch=None, kernel="inductor",
+                repeats=3):
+    """(item-steps per second of a rollout of ``steps`` steps at batch B (``compile``: by ``kernel``), the best of
+    ``repeats``; the first call's seconds, which compiles)."""
     p = eng.default_params().map(lambda t: t.to(dtype))
     s0 = eng.initial_state(batch=B).map(lambda t: t.to(dtype))
     torch.manual_seed(0)
@@ -104,8 +111,46 @@ def engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_
     t0 = time.perf_counter()
     once()  # warm-up (compiles)
     warm = time.perf_counter() - t0
-    sec = _best(once)
+    sec = _best(once, repeats)
     return B * steps / sec, warm
+
+
+#: the compiled call whose first call is timed again in a new process: batch 1, no gradients, 100 steps (the
+#: bench's first compiled call of each structure and integrator, so the cold figure is the same call's)
+FIRST_CALL = {"batch": 1, "steps": 100}
+
+
+def _cache_files() -> int:
+    """Files in the inductor cache folder now (0: an empty cache, as in a fresh clone)."""
+    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+    return sum(len(f) for _, _, f in os.walk(root)) if root and os.path.isdir(root) else 0
+
+
+def first_call_in_new_process(name: str, integrator: str, timeout_s: float = 900.0) -> dict:
+    """The compiled engine's first call (``FIRST_CALL``) timed in a new Python process that shares this one's
+    inductor cache folder: {"seconds", "cache_files"} (the cache's files when it started), or {"error"}. The
+    child's imports are not counted; dynamo's tracing and the cache's loading are."""
+    import subprocess
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--first-call", name, integrator]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
+    except subprocess.TimeoutExpired:
+        return {"error": f"no answer within {timeout_s:g} s"}
+    last = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
+    if done.returncode != 0 or not last:
+        return {"error": f"exit {done.returncode}: {(done.stderr or done.stdout).strip()[-300:]}"}
+    return json.loads(last[0])
+
+
+def _first_call_child(name: str, integrator: str) -> None:
+    """What :func:`first_call_in_new_process` runs: one compiled call, timed; its result as JSON on stdout."""
+    setup_compile(recompile_limit=256)
+    torch.set_num_threads(1)
+    files = _cache_files()
+    eng = make_engine(load_structure(REPO_ROOT / "config" / "models" / f"{name}.yaml"), "nodal", integrator,
+                      dtype=torch.float32)
+    _, warm = engine_rate(eng, FIRST_CALL["batch"], FIRST_CALL["steps"], True, False, repeats=1)
+    print(json.dumps({"seconds": warm, "cache_files": files}))
 
 
 def reference_flops_per_item_step(eng, B: int = 64, steps: int = 10) -> float:
@@ -234,7 +279,7 @@ def run(structures=tuple(STRUCTURES), batches=(1, 64, 1024), grads=(False, True)
     big_threads = threads or os.cpu_count() or 1
     results = {"date": time.strftime("%Y-%m-%d"), "dt_s": DT, "torch_threads_batch1": 1, "sub_batch": SUB_BATCH,
                "torch_threads_batched": big_threads, "cpu_count": os.cpu_count(), "dtype": "float32",
-               "torch": torch.__version__, "skipped": list(skip)}
+               "torch": torch.__version__, "skipped": list(skip), "inductor_cache_files_at_start": _cache_files()}
     todo = [(n, i) for n in structures for i in STRUCTURES[n]]
     for name, integ in todo:
         s = load_structure(REPO_ROOT / "config" / "models" / f"{name}.yaml")
@@ -263,6 +308,16 @@ def run(structures=tuple(STRUCTURES), batches=(1, 64, 1024), grads=(False, True)
                         r["engine"][k] = {"steps_per_s": rate, "warmup_s": warm, "steps": n_steps}
                         log(f"{tag:34s} {k:26s} {rate:12.0f} item-steps/s   ({n_steps} steps; first call "
                             f"{warm:.1f} s)")
+        first = r["engine"].get(f"compiled_nograd_b{FIRST_CALL['batch']}")
+        if first is not None and first["steps"] == FIRST_CALL["steps"]:
+            again = first_call_in_new_process(name, integ)
+            r["first_call"] = {"this_process_s": first["warmup_s"],
+                               "cache_files_at_start": results["inductor_cache_files_at_start"],
+                               "new_process_s": again.get("seconds"), "new_process": again}
+            log(f"{tag:34s} compiled first call (batch {FIRST_CALL['batch']}): {first['warmup_s']:.1f} s in this run "
+                f"(cache {'empty' if not results['inductor_cache_files_at_start'] else 'as found'} at its start), "
+                + (f"{again['seconds']:.1f} s in a new process with the cache this run filled" if "seconds" in again
+                   else f"new process: {again['error']}"))
         # the semi-implicit step fused in C (engine/native.py): CPU, no gradient; the same batches and lengths
         why = native.unsuitable("cpu", False, integ, torch.float32) or native.available(torch.float32)
         if why is None and f"{tag}/native_nograd" not in skip:
@@ -357,7 +412,13 @@ def main(argv=None):
                     help="keys to skip (default: the manipulator's implicit compiled backward, whose compile takes "
                          "~11 min per batch size and runs slower than eager, and its 8-step compiled chunk; "
                          "--skip with no keys measures everything)")
+    ap.add_argument("--first-call", nargs=2, metavar=("STRUCTURE", "INTEGRATOR"),
+                    help="only time the compiled engine's first call (batch 1, 100 steps) in this process and print "
+                         "it as JSON (what the bench runs in a new process to show the compile cache at work)")
     a = ap.parse_args(argv)
+    if a.first_call:
+        _first_call_child(*a.first_call)
+        return
     kw = dict(structures=tuple(a.structures), threads=a.threads, agreement=not a.no_agreement, skip=tuple(a.skip))
     if a.quick:
         kw.update(batches=(1, 1024), grads=(False,))

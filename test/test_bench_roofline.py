@@ -37,3 +37,17 @@ def test_roofline_fraction_is_rate_times_flops_over_peak(bench_engine):
     assert rf["achieved_gflops"] == pytest.approx(1e5 * rf["flops_per_item_step"] / 1e9)
     assert rf["fraction_of_peak"] == pytest.approx(rf["achieved_gflops"] / 200.0)
     assert bench_engine.peak_gflops(n=256, repeats=2) > 0
+
+
+def test_first_call_cache_count_and_a_failing_child_said_so(bench_engine, monkeypatch, tmp_path):
+    """The compile-cache line (issue 20 item 2, "paid once and cached across runs"): the cache's files are counted
+    where TORCHINDUCTOR_CACHE_DIR points, and a new process that cannot run the call comes back as an error that
+    says why, not as a figure (the real call compiles for minutes: `make bench` measures it)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    assert bench_engine._cache_files() == 0
+    (tmp_path / "cache" / "a").mkdir(parents=True)
+    (tmp_path / "cache" / "a" / "x.py").write_text("")
+    (tmp_path / "cache" / "y").write_text("")
+    assert bench_engine._cache_files() == 2
+    out = bench_engine.first_call_in_new_process("no_such_structure", "semi_implicit", timeout_s=120)
+    assert "seconds" not in out and "exit 1" in out["error"] and "no_such_structure" in out["error"]
