@@ -210,26 +210,17 @@ def online_update(device: str, seconds: float = 8.0):
     The parameters come from the node's shipped YAML alone (it sets every one the update reads), not from the
     node module's table: importing the node imports the ROS messages, which a GPU machine without ROS lacks (the
     H200 of 2026-12-04 failed the CUDA test of this update on that import)."""
-    import numpy as np
     import yaml
 
     from tensegrity_ros.engine import params_from_structure
-    from tensegrity_ros.ident import add_marker_noise, make_dataset
     from tensegrity_ros.ident.online import accept_config, fit_window, update_options
-    from tensegrity_ros.model.perturb import perturb_structure
-    from tensegrity_ros.references import load_reference, motor_angles
-    from tensegrity_ros.twin import simulate
+    from tensegrity_ros.ident.synthetic import perturbed_twin_recording
 
     p = dict(yaml.safe_load((CONFIG_DIR / "nodes" / "online_identifier.yaml").read_text())
              ["online_identifier"]["ros__parameters"])
     p.update(device=device, first_update_max_s=1e9, max_update_s=1e9)
     nominal = load_structure(MODEL)
-    true = perturb_structure(nominal, 0.2, 0, kinds=("stiffness", "damping"))
-    ref = load_reference(CONFIG_DIR / "references" / "seed_sinusoids_continuous.yaml")
-    traj = simulate(true, lambda t: motor_angles(ref, true.actuators, t), seconds, record_hz=120.0, progress=False,
-                    integrator="RK4")
-    ds = add_marker_noise(make_dataset(traj.times, traj.positions, None, traj.motor_angles), 3e-4,
-                          np.random.default_rng(0))
+    _, ds = perturbed_twin_recording(nominal, seconds)
     nominal_params = params_from_structure(nominal)
     stages, options = update_options(p, nominal_params, first=True)
     t0 = time.perf_counter()

@@ -13,7 +13,6 @@ import yaml
 
 from tensegrity_ros.engine import params_from_structure
 from tensegrity_ros.model import load_structure
-from tensegrity_ros.model.perturb import perturb_structure
 from tensegrity_ros.param_names import kind_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,17 +31,10 @@ def _node_parameters():
 @pytest.fixture(scope="module")
 def recording():
     """18 s of the simulated manipulator (the true robot ~20 % off the nominal), 0.3 mm marker noise."""
-    from tensegrity_ros.ident import add_marker_noise, make_dataset
-    from tensegrity_ros.references import load_reference, motor_angles
-    from tensegrity_ros.twin import simulate
+    from tensegrity_ros.ident.synthetic import perturbed_twin_recording
 
     nominal = load_structure(ROOT / "config" / "models" / "stacked_manipulator.yaml")
-    true = perturb_structure(nominal, 0.2, 0, kinds=("stiffness", "damping"))       # sim_robot's default
-    ref = load_reference(ROOT / "config" / "references" / "seed_sinusoids_continuous.yaml")
-    traj = simulate(true, lambda t: motor_angles(ref, true.actuators, t), 18.0, record_hz=120.0, progress=False,
-                    integrator="RK4")
-    ds = add_marker_noise(make_dataset(traj.times, traj.positions, None, traj.motor_angles), 3e-4,
-                          np.random.default_rng(0))
+    true, ds = perturbed_twin_recording(nominal, 18.0)          # sim_robot's defaults: 20 %, seed 0
     return nominal, true, ds
 
 

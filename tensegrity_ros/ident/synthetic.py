@@ -15,7 +15,7 @@ from ..model import Structure, structure_from_dict
 from .data import Dataset, make_dataset
 
 __all__ = ["actuated_pendulum", "pendulum_drive", "random_initial_state", "simulate_dataset", "perturb",
-           "twin_dataset"]
+           "twin_dataset", "perturbed_twin_recording"]
 
 
 def actuated_pendulum(delay_free: bool = True) -> Structure:
@@ -161,3 +161,25 @@ def twin_dataset(structure: Structure, motor_fn: Callable[[np.ndarray], Tuple[np
     return make_dataset(t[keep], X, None, np.asarray(u)[keep] if structure.actuators else None,
                         node_names=structure.node_names, actuator_names=tuple(a.name for a in structure.actuators),
                         name=f"{structure.name} (MuJoCo twin)")
+
+
+def perturbed_twin_recording(nominal: Structure, seconds: float, *, fraction: float = 0.2, seed: int = 0,
+                             kinds: Sequence[str] = ("stiffness", "damping"), noise_std_m: float = 3e-4,
+                             reference: str = "seed_sinusoids_continuous") -> Tuple[Structure, Dataset]:
+    """What the simulated robot of the demo hands the online identifier: the true robot is ``nominal`` with
+    ``kinds`` scaled by 1 + ``fraction`` N(0, 1) (seeded; ``sim_robot``'s defaults), driven by the shipped
+    reference ``config/references/<reference>.yaml`` through its MuJoCo twin (RK4), recorded at 120 Hz with
+    white marker noise ``noise_std_m`` (m). Returns (the true structure, the recording). One recipe for the
+    online identifier's convergence test and the GPU bench's update."""
+    from ..model.perturb import perturb_structure
+    from ..paths import CONFIG_DIR
+    from ..references import load_reference, motor_angles
+    from ..twin import simulate                         # mujoco only when called
+    from .data import add_marker_noise
+    true = perturb_structure(nominal, fraction, seed, kinds=tuple(kinds))
+    ref = load_reference(CONFIG_DIR / "references" / f"{reference}.yaml")
+    traj = simulate(true, lambda t: motor_angles(ref, true.actuators, t), seconds, record_hz=120.0, progress=False,
+                    integrator="RK4")
+    ds = add_marker_noise(make_dataset(traj.times, traj.positions, None, traj.motor_angles), noise_std_m,
+                          np.random.default_rng(seed))
+    return true, ds
