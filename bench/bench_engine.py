@@ -16,9 +16,10 @@
 * agreement with the twin (node positions, mm) on the scenarios of test/test_engine_vs_mujoco.py;
 * the roofline: matrix-product flops per item-step (torch's flop counter, reference layout) times the best batch-1024
   rate, as a fraction of the float32 GEMM rate measured on the same threads;
-* the compiled path's first call (batch 1, no gradients) in this process, with the inductor cache as the run found
-  it (a fresh clone's is empty: the compile), and again in a NEW process once this one has filled the cache
-  (:func:`first_call_in_new_process`): what a later run pays, the "paid once and cached across runs" of issue 20.
+* the compiled path's first call without gradients at each batch size (each a graph of its own) in this process,
+  with the inductor cache as the run found it (a fresh clone's is empty: the compile), and again in a NEW process
+  once this one has filled the cache (:func:`first_call_in_new_process`): what a later run pays, the "paid once and
+  cached across runs" of issue 20.
 
 Writes ``build/bench/engine.json`` (keys per structure: engine_b1024_steps_per_s, mujoco_rollout_steps_per_s,
 ratio_b1024_vs_rollout, roofline_b1024, horizon_1s_b1_ms, max_abs_error_vs_mujoco_mm, and the details).
@@ -29,10 +30,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -111,13 +114,16 @@ def engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_
     t0 = time.perf_counter()
     once()  # warm-up (compiles)
     warm = time.perf_counter() - t0
+    if repeats < 1:                 # the first call's time alone
+        return math.nan, warm
     sec = _best(once, repeats)
     return B * steps / sec, warm
 
 
-#: the compiled call whose first call is timed again in a new process: batch 1, no gradients, 100 steps (the
-#: bench's first compiled call of each structure and integrator, so the cold figure is the same call's)
-FIRST_CALL = {"batch": 1, "steps": 100}
+def _nograd_steps(B: int) -> int:
+    """Steps of the first compiled rollout without gradients at batch B in :func:`run` (the headline's length at
+    1024 and above)."""
+    return 100 if B <= 64 else ROLLOUT_STEPS
 
 
 def _cache_files() -> int:
@@ -126,12 +132,14 @@ def _cache_files() -> int:
     return sum(len(f) for _, _, f in os.walk(root)) if root and os.path.isdir(root) else 0
 
 
-def first_call_in_new_process(name: str, integrator: str, timeout_s: float = 900.0) -> dict:
-    """The compiled engine's first call (``FIRST_CALL``) timed in a new Python process that shares this one's
-    inductor cache folder: {"seconds", "cache_files"} (the cache's files when it started), or {"error"}. The
-    child's imports are not counted; dynamo's tracing and the cache's loading are."""
+def first_call_in_new_process(name: str, integrator: str, batches: Sequence[int], timeout_s: float = 900.0) -> dict:
+    """The compiled engine's first call without gradients at each batch size in ``batches`` (each shape is a graph
+    of its own), timed in a new Python process that shares this one's inductor cache folder: {"seconds": {batch:
+    s}, "cache_files"} (the cache's files when it started), or {"error"}. The child's imports are not counted;
+    dynamo's tracing and the cache's loading are."""
     import subprocess
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--first-call", name, integrator]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--first-call", name, integrator,
+           ",".join(str(int(b)) for b in batches)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
     except subprocess.TimeoutExpired:
@@ -139,18 +147,23 @@ def first_call_in_new_process(name: str, integrator: str, timeout_s: float = 900
     last = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
     if done.returncode != 0 or not last:
         return {"error": f"exit {done.returncode}: {(done.stderr or done.stdout).strip()[-300:]}"}
-    return json.loads(last[0])
+    out = json.loads(last[0])
+    out["seconds"] = {int(b): v for b, v in out["seconds"].items()}
+    return out
 
 
-def _first_call_child(name: str, integrator: str) -> None:
-    """What :func:`first_call_in_new_process` runs: one compiled call, timed; its result as JSON on stdout."""
+def _first_call_child(name: str, integrator: str, batches: str) -> None:
+    """What :func:`first_call_in_new_process` runs: the compiled call at each batch, its first call timed (as
+    :func:`run` makes it: threads, steps, pieces); the result as JSON on stdout."""
     setup_compile(recompile_limit=256)
-    torch.set_num_threads(1)
     files = _cache_files()
     eng = make_engine(load_structure(REPO_ROOT / "config" / "models" / f"{name}.yaml"), "nodal", integrator,
                       dtype=torch.float32)
-    _, warm = engine_rate(eng, FIRST_CALL["batch"], FIRST_CALL["steps"], True, False, repeats=1)
-    print(json.dumps({"seconds": warm, "cache_files": files}))
+    seconds = {}
+    for B in (int(b) for b in batches.split(",")):
+        torch.set_num_threads(1 if B == 1 else (os.cpu_count() or 1))
+        _, seconds[B] = engine_rate(eng, B, _nograd_steps(B), True, False, sub_batch=SUB_BATCH.get(name), repeats=0)
+    print(json.dumps({"seconds": seconds, "cache_files": files}))
 
 
 def reference_flops_per_item_step(eng, B: int = 64, steps: int = 10) -> float:
@@ -301,23 +314,26 @@ def run(structures=tuple(STRUCTURES), batches=(1, 64, 1024), grads=(False, True)
                     key = f"{'compiled' if comp else 'eager'}_{'grad' if grad else 'nograd'}_b{B}"
                     runs = [(key, steps)]
                     if comp and not grad and B >= 1024:      # the headline: MuJoCo's rollout length, and 20 steps
-                        runs = [(key, ROLLOUT_STEPS), (key + "_20steps", 20)]
+                        runs = [(key, _nograd_steps(B)), (key + "_20steps", 20)]
                     for k, n_steps in runs:
                         rate, warm = engine_rate(eng, B, n_steps, comp, grad,
                                                  sub_batch=None if grad else SUB_BATCH.get(name))
                         r["engine"][k] = {"steps_per_s": rate, "warmup_s": warm, "steps": n_steps}
                         log(f"{tag:34s} {k:26s} {rate:12.0f} item-steps/s   ({n_steps} steps; first call "
                             f"{warm:.1f} s)")
-        first = r["engine"].get(f"compiled_nograd_b{FIRST_CALL['batch']}")
-        if first is not None and first["steps"] == FIRST_CALL["steps"]:
-            again = first_call_in_new_process(name, integ)
-            r["first_call"] = {"this_process_s": first["warmup_s"],
-                               "cache_files_at_start": results["inductor_cache_files_at_start"],
-                               "new_process_s": again.get("seconds"), "new_process": again}
-            log(f"{tag:34s} compiled first call (batch {FIRST_CALL['batch']}): {first['warmup_s']:.1f} s in this run "
-                f"(cache {'empty' if not results['inductor_cache_files_at_start'] else 'as found'} at its start), "
-                + (f"{again['seconds']:.1f} s in a new process with the cache this run filled" if "seconds" in again
-                   else f"new process: {again['error']}"))
+        cold = {B: r["engine"][f"compiled_nograd_b{B}"]["warmup_s"] for B in batches
+                if f"compiled_nograd_b{B}" in r["engine"]}
+        if cold:
+            again = first_call_in_new_process(name, integ, sorted(cold))
+            warm = again.get("seconds", {})
+            r["first_call"] = {"this_run_s": cold, "next_run_s": warm, "this_run_max_s": max(cold.values()),
+                               "next_run_max_s": max(warm.values()) if warm else None,
+                               "cache_files_at_start": results["inductor_cache_files_at_start"], "new_process": again}
+            log(f"{tag:34s} compiled first calls (no gradients; batch " + "/".join(map(str, cold)) + "): "
+                + " / ".join(f"{v:.1f}" for v in cold.values()) + " s in this run (cache "
+                + ("empty" if not results["inductor_cache_files_at_start"] else "as found") + " at its start), "
+                + (" / ".join(f"{warm[B]:.1f}" for B in cold) + " s in a new process with the cache this run filled"
+                   if warm else f"new process: {again['error']}"))
         # the semi-implicit step fused in C (engine/native.py): CPU, no gradient; the same batches and lengths
         why = native.unsuitable("cpu", False, integ, torch.float32) or native.available(torch.float32)
         if why is None and f"{tag}/native_nograd" not in skip:
@@ -412,9 +428,10 @@ def main(argv=None):
                     help="keys to skip (default: the manipulator's implicit compiled backward, whose compile takes "
                          "~11 min per batch size and runs slower than eager, and its 8-step compiled chunk; "
                          "--skip with no keys measures everything)")
-    ap.add_argument("--first-call", nargs=2, metavar=("STRUCTURE", "INTEGRATOR"),
-                    help="only time the compiled engine's first call (batch 1, 100 steps) in this process and print "
-                         "it as JSON (what the bench runs in a new process to show the compile cache at work)")
+    ap.add_argument("--first-call", nargs=3, metavar=("STRUCTURE", "INTEGRATOR", "BATCHES"),
+                    help="only time the compiled engine's first call without gradients at each batch (comma-"
+                         "separated, e.g. 1,64,1024) in this process and print them as JSON (what the bench runs in a "
+                         "new process to show the compile cache at work)")
     a = ap.parse_args(argv)
     if a.first_call:
         _first_call_child(*a.first_call)

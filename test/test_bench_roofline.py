@@ -49,5 +49,5 @@ def test_first_call_cache_count_and_a_failing_child_said_so(bench_engine, monkey
     (tmp_path / "cache" / "a" / "x.py").write_text("")
     (tmp_path / "cache" / "y").write_text("")
     assert bench_engine._cache_files() == 2
-    out = bench_engine.first_call_in_new_process("no_such_structure", "semi_implicit", timeout_s=120)
+    out = bench_engine.first_call_in_new_process("no_such_structure", "semi_implicit", [1], timeout_s=120)
     assert "seconds" not in out and "exit 1" in out["error"] and "no_such_structure" in out["error"]
