@@ -327,7 +327,8 @@ def run(structures=tuple(STRUCTURES), batches=(1, 64, 1024), grads=(False, True)
             again = first_call_in_new_process(name, integ, sorted(cold))
             warm = again.get("seconds", {})
             r["first_call"] = {"this_run_s": cold, "next_run_s": warm, "this_run_max_s": max(cold.values()),
-                               "next_run_max_s": max(warm.values()) if warm else None,
+                               # NaN when the new process failed: the headline then shows a miss, not "n/a"
+                               "next_run_max_s": max(warm.values()) if warm else math.nan,
                                "cache_files_at_start": results["inductor_cache_files_at_start"], "new_process": again}
             log(f"{tag:34s} compiled first calls (no gradients; batch " + "/".join(map(str, cold)) + "): "
                 + " / ".join(f"{v:.1f}" for v in cold.values()) + " s in this run (cache "
