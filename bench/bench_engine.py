@@ -141,7 +141,7 @@ def first_call_in_new_process(name: str, integrator: str, batches: Sequence[int]
     cmd = [sys.executable, str(Path(__file__).resolve()), "--first-call", name, integrator,
            ",".join(str(int(b)) for b in batches)]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)   # inherits the cache folder
     except subprocess.TimeoutExpired:
         return {"error": f"no answer within {timeout_s:g} s"}
     last = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
@@ -329,7 +329,8 @@ def run(structures=tuple(STRUCTURES), batches=(1, 64, 1024), grads=(False, True)
             r["first_call"] = {"this_run_s": cold, "next_run_s": warm, "this_run_max_s": max(cold.values()),
                                # NaN when the new process failed: the headline then shows a miss, not "n/a"
                                "next_run_max_s": max(warm.values()) if warm else math.nan,
-                               "cache_files_at_start": results["inductor_cache_files_at_start"], "new_process": again}
+                               "cache_files_at_start": results["inductor_cache_files_at_start"],
+                               "next_run_cache_files": again.get("cache_files"), "next_run_error": again.get("error")}
             log(f"{tag:34s} compiled first calls (no gradients; batch " + "/".join(map(str, cold)) + "): "
                 + " / ".join(f"{v:.1f}" for v in cold.values()) + " s in this run (cache "
                 + ("empty" if not results["inductor_cache_files_at_start"] else "as found") + " at its start), "
