@@ -4,8 +4,8 @@
 * every file they reference (config/nodes, config/models, config/hardware, config/references, included
   launch files) exists;
 * every parameter they set (inline dicts and the ros__parameters of the YAML files, for the node name they
-  launch) is declared by that node (its module's PARAMS table: every node declares its parameters through the
-  ParamSpec tables, none with its own declare_parameter calls);
+  launch) is declared by that node (its PARAMS table, read from the ROS-free tensegrity_ros.nodes.tables: every
+  node declares its parameters through the ParamSpec tables, none with its own declare_parameter calls);
 * the driver is a lifecycle node (managed) that the real robot's launch files configure and then activate;
 * every LaunchConfiguration is declared, every argument passed to an included file is declared there;
 * the record option is `ros2 bag record -s mcap -a`; every config/nodes/*.yaml only sets declared parameters;
@@ -55,9 +55,10 @@ def setup_executables() -> Set[str]:
 
 
 def declared_parameters(executable: str) -> Set[str]:
-    """Parameter names a node declares: its module's PARAMS table (ParamSpec, nodes/_common.py)."""
-    mod = importlib.import_module(f"tensegrity_ros.nodes.{executable}")
-    assert hasattr(mod, "PARAMS"), f"{executable} has no PARAMS table (ParamSpec, nodes/_common.py)"
+    """Parameter names a node declares: its PARAMS table (ParamSpec), from tensegrity_ros.nodes.tables, which
+    needs no ROS."""
+    mod = importlib.import_module(f"tensegrity_ros.nodes.tables.{executable}")
+    assert hasattr(mod, "PARAMS"), f"{executable} has no PARAMS table (ParamSpec, nodes/params.py)"
     return {s.name for s in mod.PARAMS} | ALWAYS_DECLARED
 
 

@@ -3,10 +3,10 @@
 ``from . import _common as C`` (the nodes of this package, bench/ and test/) keeps working; new
 code may import from the module that owns a name.
 
-* **Topics and QoS** (:mod:`.topics`): :data:`TOPICS`, the stream / sensor / latched profiles, :func:`sensor_qos`,
-  :func:`sensor_qos_params`.
-* **Parameters** (:mod:`.params`, rclpy-free): :class:`ParamSpec` tables, reusable checks,
-  :func:`declare_parameters`.
+* **Topics and QoS** (:mod:`.topics`): the stream / sensor / latched profiles, :func:`sensor_qos`; the names
+  (:data:`TOPICS`) and the QoS parameters (:func:`sensor_qos_params`) are in :mod:`.topic_names` (ROS-free).
+* **Parameters** (:mod:`.params`, ROS-free): :class:`ParamSpec`, reusable checks, :func:`declare_parameters`;
+  each node's table is in :mod:`.tables` (ROS-free).
 * **The node base and main** (:mod:`.graph_node`): :class:`LeanNode`, :class:`GraphNode`,
   :class:`CountingPublisher`, :func:`run_node`, :func:`realtime_thread`.
 * **Statistics** (:mod:`.stats`, rclpy-free): :class:`RollingStats`, :class:`RateMeter`, :class:`SequenceMonitor`.
@@ -36,9 +36,9 @@ from .params import (Check, ParameterError, ParamSpec, check_changes, declare_pa
                      positive, required_file, spec_table, transform_from_list, transform_list)
 from .records import JointRecord, NodeStatesRecord, Prediction
 from .stats import RateMeter, RollingStats, SequenceMonitor
-from .topics import (DIAG_QOS, LATCHED_QOS, LATEST_QOS, PREDICTION_QOS, QOS_RELIABILITIES, SENSOR_DEPTH,
-                     SENSOR_QOS, SENSOR_READER_QOS, STREAM_DEPTH, STREAM_QOS, STREAM_QOS_BEST_EFFORT, TOPICS,
-                     sensor_qos, sensor_qos_params, stream_qos)
+from .topic_names import QOS_RELIABILITIES, SENSOR_DEPTH, TOPICS, sensor_qos_params
+from .topics import (DIAG_QOS, LATCHED_QOS, LATEST_QOS, PREDICTION_QOS, SENSOR_QOS, SENSOR_READER_QOS, STREAM_DEPTH,
+                     STREAM_QOS, STREAM_QOS_BEST_EFFORT, sensor_qos, stream_qos)
 
 __all__ = [
     # topics

@@ -1,13 +1,13 @@
-"""Node parameters as data: a table of :class:`ParamSpec` per node (name, default, description, range / choices,
-check), reusable checks, and :func:`declare_parameters`.
+"""Node parameters as data: :class:`ParamSpec` (name, default, description, range / choices, check), reusable
+checks, and :func:`declare_parameters`. Each node's table is in :mod:`tensegrity_ros.nodes.tables`.
 
 The node declares them with ParameterDescriptors (:func:`declare_parameters`), validates the start values (a bad
 value fails node creation with every problem listed) and rejects bad run-time changes with a reason
 (:func:`check_changes`, in every node's set-parameters callback, as in ros2/demos ``set_parameters_callback.py``).
-The launch-file test reads the same tables (``<node module>.PARAMS``).
+The launch-file test reads the same tables (``tensegrity_ros.nodes.tables.<node>.PARAMS``).
 
-rclpy-free at import time (only the ``rcl_interfaces`` message classes): :func:`declare_parameters` imports
-``rclpy.parameter`` when called, so specs and their validation can be used without rclpy.
+ROS-free at import time: :meth:`ParamSpec.descriptor` imports ``rcl_interfaces`` and :func:`declare_parameters`
+``rclpy.parameter`` when called, so the specs, the tables and their validation need no ROS installation.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
-from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 
 if TYPE_CHECKING:  # pragma: no cover
+    from rcl_interfaces.msg import ParameterDescriptor
     from rclpy.node import Node
 
 
@@ -79,6 +79,8 @@ class ParamSpec:
         return None
 
     def descriptor(self) -> ParameterDescriptor:
+        from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
+
         d = ParameterDescriptor(description=self.description, read_only=self.read_only)
         if self.choices:
             d.additional_constraints = "one of: " + ", ".join(self.choices)
@@ -94,6 +96,7 @@ class ParamSpec:
 #: ``type_`` -> the name of its ``rclpy.parameter.Parameter.Type`` (looked up in :func:`declare_parameters`, so
 #: that importing this module imports no rclpy)
 _ARRAY_TYPES = {"double_array": "DOUBLE_ARRAY", "string_array": "STRING_ARRAY", "integer_array": "INTEGER_ARRAY"}
+
 
 # ---- reusable checks ---------------------------------------------------------------------------------
 def positive(value) -> Optional[str]:

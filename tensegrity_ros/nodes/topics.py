@@ -5,31 +5,14 @@
   are sensor-data QoS by default (best effort, shallow; :data:`SENSOR_QOS`, :func:`sensor_qos`,
   :func:`sensor_qos_params`), and every reader of them uses :data:`SENSOR_READER_QOS`, which matches either kind.
 
-Imports ``rclpy.qos`` (the profiles are rclpy objects).
+Imports ``rclpy.qos`` (the profiles are rclpy objects). The topic names and the QoS parameters, which the
+parameter tables need without ROS, are in :mod:`.topic_names` (re-exported here).
 """
 from __future__ import annotations
 
-from typing import Tuple
-
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 
-from .params import ParamSpec
-
-#: default topic names (all remappable with the usual ``--ros-args -r from:=to``)
-TOPICS = {
-    "markers": "/mocap/markers",
-    "node_states": "/tensegrity/node_states",
-    "motor_states": "/tensegrity/motor_states",
-    "motor_commands": "/tensegrity/motor_commands",
-    "motor_plan": "/tensegrity/motor_plan",
-    "identified_parameters": "/tensegrity/identified_parameters",
-    "predicted_states": "/tensegrity/predicted_states",
-    "plate_c1": "/tensegrity/plate_c1",
-    "plate_c2": "/tensegrity/plate_c2",
-    "ground_truth": "/sim/ground_truth",
-    "diagnostics": "/diagnostics",
-    "tf": "/tf",
-}
+from .topic_names import QOS_RELIABILITIES, SENSOR_DEPTH, TOPICS, sensor_qos_params  # noqa: F401 (re-exported)
 
 
 def _qos(depth: int, reliable: bool = True, latched: bool = False) -> QoSProfile:
@@ -67,14 +50,12 @@ def stream_qos(reliability: str) -> QoSProfile:
 #: Sensor streams (motor states, mocap): ROS' sensor-data QoS (``rclpy.qos.qos_profile_sensor_data``: best effort,
 #: keep last, shallow) by default on the publisher. A late sample is worth less than the next one, and no slow or
 #: lost reader makes the writer resend or hold old samples. Configurable per node (:func:`sensor_qos_params`).
-SENSOR_DEPTH = 10
 SENSOR_QOS = _qos(SENSOR_DEPTH, reliable=False)
 #: Every reader of a sensor stream: best effort, so it matches a best-effort AND a reliable writer (a reliable
 #: reader matches no best-effort writer: it would silently receive nothing), with STREAM_DEPTH as its own queue, so
 #: a reader whose executor runs late keeps the samples instead of overwriting them. What the transport loses still
 #: shows as a publication-sequence gap.
 SENSOR_READER_QOS = STREAM_QOS_BEST_EFFORT
-QOS_RELIABILITIES = ("best_effort", "reliable")
 
 
 def sensor_qos(reliability: str = "best_effort", depth: int = SENSOR_DEPTH) -> QoSProfile:
@@ -86,15 +67,3 @@ def sensor_qos(reliability: str = "best_effort", depth: int = SENSOR_DEPTH) -> Q
     if reliability == "best_effort" and depth == SENSOR_DEPTH:
         return SENSOR_QOS
     return _qos(depth, reliable=reliability == "reliable")
-
-
-def sensor_qos_params(prefix: str, what: str) -> Tuple[ParamSpec, ...]:
-    """The two parameters of a sensor stream's publisher QoS, ``<prefix>_reliability`` (best_effort | reliable)
-    and ``<prefix>_depth`` (keep last), read-only (a profile is fixed when the publisher is made); the node builds
-    the profile with ``sensor_qos(p[prefix + "_reliability"], p[prefix + "_depth"])``."""
-    return (ParamSpec(f"{prefix}_reliability", "best_effort",
-                      f"QoS reliability of {what}: best_effort (sensor data; readers of either kind match) or "
-                      "reliable (only for readers that must not miss a sample, over a lossy link)",
-                      choices=QOS_RELIABILITIES, read_only=True),
-            ParamSpec(f"{prefix}_depth", SENSOR_DEPTH, f"QoS history depth (keep last) of {what}", range=(1, 10000),
-                      read_only=True))
