@@ -89,9 +89,9 @@ def device_sync(t: torch.Tensor):
 
 
 def engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_batch=None, kernel="inductor",
-                repeats=3):
-    """(item-steps per second of a rollout of ``steps`` steps at batch B (``compile``: by ``kernel``), the best of
-    ``repeats``; the first call's seconds, which compiles)."""
+                repeats=3, cuda_graph=False):
+    """(item-steps per second of a rollout of ``steps`` steps at batch B (``compile``: by ``kernel``; ``cuda_graph``:
+    replayed from a CUDA graph), the best of ``repeats``; the first call's seconds, which compiles and captures)."""
     p = eng.default_params().map(lambda t: t.to(dtype))
     s0 = eng.initial_state(batch=B).map(lambda t: t.to(dtype))
     torch.manual_seed(0)
@@ -99,6 +99,8 @@ def engine_rate(eng, B, steps, compile, grad, chunk=1, dtype=torch.float32, sub_
     s0 = eng.project(p, s0)
 
     kw = dict(sub_batch=sub_batch, kernel=kernel) if compile else {}
+    if cuda_graph:
+        kw["cuda_graph"] = True
     sync = device_sync(s0.positions)
 
     def once():

@@ -4,9 +4,9 @@ per step, 1 to 64 windows); the online identifier's update (``fit_window``, what
 the CPU; and ``tensegrity identify`` on the README's 16-s manipulator bag with ``--device cuda`` and
 ``--device cpu`` on the same machine, with each run's error against the truth.
 
-    python bench/bench_gpu.py                       # all three parts (on a machine with CUDA; else it says so)
-    python bench/bench_gpu.py --only engine         # or tangent (the identification's inner step), online,
-                                                    # identify
+    python bench/bench_gpu.py                       # every part (on a machine with CUDA; else it says so)
+    python bench/bench_gpu.py --only engine         # or profile (where the engine's time goes), tangent (the
+                                                    # identification's inner step), online, identify
     python bench/bench_gpu.py --bag DIR             # identify this bag (its true_model.yaml beside it) instead of
                                                     # simulating the README's one (which needs MuJoCo)
 
@@ -31,16 +31,16 @@ from tensegrity_ros.paths import CONFIG_DIR, REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
-from bench_engine import _mujoco_rates, device_sync, engine_rate, peak_gflops, roofline  # noqa: E402
+from bench_engine import DT, _mujoco_rates, device_sync, engine_rate, peak_gflops, roofline  # noqa: E402
 from benchlib import run_cli  # noqa: E402
 
-from tensegrity_ros.engine import make_engine  # noqa: E402
+from tensegrity_ros.engine import graphs, make_engine  # noqa: E402
 from tensegrity_ros.model import load_structure  # noqa: E402
 from tensegrity_ros.validation.scoring import DISPLAY_UNITS, score  # noqa: E402
 
 OUT = REPO_ROOT / "build" / "bench" / "gpu.json"
 #: the bench's parts, in the order they run
-PARTS = ("engine", "tangent", "online", "identify")
+PARTS = ("engine", "profile", "tangent", "online", "identify")
 IMG = REPO_ROOT / "docs" / "img"
 MODEL = CONFIG_DIR / "models" / "stacked_manipulator.yaml"
 #: structure -> integrators measured on CUDA (the engine bench's headline integrators, plus the manipulator's
@@ -68,27 +68,33 @@ def engine_part(res: Dict[str, Any], save, structures=tuple(STRUCTURES), batches
                 compiled_batches=COMPILED_BATCHES, grad_batches=GRAD_BATCHES, device: str = "cuda") -> None:
     """Item-steps per second on ``device``, float32, 20 steps per rollout (10 with gradients at 65 536, for
     memory). Eager first, then MuJoCo on the CPU cores, then the compiled path (its compiles take longest), so that
-    a run cut short keeps the most; a case that fails is recorded with its error and the others go on."""
+    a run cut short keeps the most; a case that fails is recorded with its error and the others go on. On CUDA each
+    path also replayed from a CUDA graph (``*_graph_nograd_*``: engine/graphs.py; no gradients, not the implicit
+    step), the first call capturing it."""
     from tensegrity_ros.engine import setup_compile
     setup_compile(recompile_limit=256)
     eng_res = res.setdefault("engine", {})
     errors = res.setdefault("engine_errors", {})
 
-    def measure(comp: bool):
+    def measure(comp: bool, graph: bool = False):
         for name in structures:
             for integ in STRUCTURES[name]:
                 if comp and integ == "implicit":       # its compile takes minutes per shape: not here
                     continue
+                if graph and graphs.unsuitable(torch.device(device), False, integ) is not None:
+                    continue
                 eng = make_engine(load_structure(CONFIG_DIR / "models" / f"{name}.yaml"), "nodal", integ,
                                   dtype=torch.float32, device=device)
-                for grad in (False, True):
+                for grad in (False, True) if not graph else (False,):
                     for B in batches:
                         if (comp and B not in compiled_batches) or (grad and B not in grad_batches):
                             continue
-                        key = f"{'compiled' if comp else 'eager'}_{'grad' if grad else 'nograd'}_b{B}"
+                        key = f"{'compiled' if comp else 'eager'}{'_graph' if graph else ''}_" \
+                              f"{'grad' if grad else 'nograd'}_b{B}"
                         tag = f"{name}/{integ}"
                         try:
-                            rate, warm = engine_rate(eng, B, 10 if grad and B >= 65536 else 20, comp, grad)
+                            rate, warm = engine_rate(eng, B, 10 if grad and B >= 65536 else 20, comp, grad,
+                                                     cuda_graph=graph)
                         except Exception as err:  # noqa: BLE001 - record it, measure the rest
                             errors[f"{tag}/{key}"] = f"{type(err).__name__}: {err}"[:500]
                             _log(f"{device:5s} {tag:34s} {key:26s} FAILED: {errors[f'{tag}/{key}']}")
@@ -97,6 +103,7 @@ def engine_part(res: Dict[str, Any], save, structures=tuple(STRUCTURES), batches
                             _log(f"{device:5s} {tag:34s} {key:26s} {rate:14.0f} item-steps/s   "
                                  f"(first call {warm:.1f} s)")
                         save()
+                graphs.clear()                          # their device memory
 
     def best(name: str, suffix: str = "") -> Optional[float]:
         rates = [v["steps_per_s"] for k, v in eng_res.get(f"{name}/{STRUCTURES[name][0]}", {}).items()
@@ -104,6 +111,8 @@ def engine_part(res: Dict[str, Any], save, structures=tuple(STRUCTURES), batches
         return max(rates) if rates else None
 
     measure(comp=False)
+    if device == "cuda":
+        measure(comp=False, graph=True)
     mujoco = {}
     for name in structures:
         _, mujoco[name], nthread = _mujoco_rates(load_structure(CONFIG_DIR / "models" / f"{name}.yaml"))
@@ -111,6 +120,8 @@ def engine_part(res: Dict[str, Any], save, structures=tuple(STRUCTURES), batches
         _log(f"cpu   {name:34s} mujoco.rollout (nthread={nthread}) {mujoco[name]:12.0f} item-steps/s")
         save()
     measure(comp=True)
+    if device == "cuda":
+        measure(comp=True, graph=True)
     top = max(batches)
     res["peak_gflops"] = peak_gflops(device)
     for name in structures:
@@ -135,13 +146,15 @@ def engine_part(res: Dict[str, Any], save, structures=tuple(STRUCTURES), batches
 
 
 def tangent_part(res: Dict[str, Any], save, device: str = "cuda", windows: Sequence[int] = (1, 8, 64),
-                 steps: int = 48, rows: Sequence[Optional[int]] = (1, 16, 4096)) -> None:
+                 steps: int = 48, rows: Sequence[Optional[int]] = (1, 16, 4096), graphs_off: bool = True) -> None:
     """The identification's inner loop on ``device``: manipulator tangent steps (``engine/tangent.py``, every
     parameter and start-state direction, float64, as stage 2 runs it) with 1, 8 and 64 windows in the batch and the
     steps' linearisations batched ``rows`` (window, step) rows at a time (1: one step at a time, as before stop 42;
     16 the CPU's default, 4096 CUDA's; None: the device's default): wall time per step, and the aten operations per
     step over the whole rollout, and how many of them are not views (on CUDA, about one kernel launch each). If the
-    time per step stays flat from 1 to 64 windows, the step is bound by launches and Python, not by arithmetic."""
+    time per step stays flat from 1 to 64 windows, the step is bound by launches and Python, not by arithmetic.
+    On CUDA the primal steps run from a CUDA graph (engine/graphs.py; a replay is not an aten operation, so the
+    counts fall with it); ``graphs_off``: each case again with ``TENSEGRITY_CUDA_GRAPHS=0``, side by side."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from tensegrity_ros.engine import from_unconstrained, tangent, to_unconstrained
@@ -169,10 +182,16 @@ def tangent_part(res: Dict[str, Any], save, device: str = "cuda", windows: Seque
     C = z0.numel() + 6 * nf
     sync = device_sync(Q0)
     out = res.setdefault("tangent_step", {"structure": "stacked_manipulator", "directions": C, "rows": []})["rows"]
+    cases = [(R, True) for R in rows]
+    if graphs_off and graphs.for_identification(Q0.device, False):
+        cases += [(R, False) for R in rows]
     for W in windows:
         S0 = torch.zeros(W, C, 3, nf, dtype=torch.float64, device=Q0.device)
-        for R in rows:
+        for R, graphed in cases:
             R = tangent.linearise_rows(Q0.device) if R is None else int(R)
+            graphed = graphed and graphs.for_identification(Q0.device, False)
+            saved = os.environ.get(graphs.ENV)
+            os.environ[graphs.ENV] = "1" if graphed else "0"
 
             def run(n):
                 u = torch.zeros(n, W, A, dtype=torch.float64, device=Q0.device)
@@ -183,22 +202,81 @@ def tangent_part(res: Dict[str, Any], save, device: str = "cuda", windows: Seque
                 sync()
                 return o
 
-            counts = []
-            for n in (steps, 2 * steps):      # the difference leaves out the once-per-rollout work
-                with _Count() as counter:
-                    run(n)
-                counts.append((counter.ops, counter.compute))
-            run(steps)                                                    # warm-up
-            t0 = time.perf_counter()
-            run(steps)
-            ms = (time.perf_counter() - t0) / steps * 1e3
-            out.append({"windows": W, "rows": R, "steps_linearised_together": max(1, R // W), "ms_per_step": ms,
-                        "aten_ops_per_step": (counts[1][0] - counts[0][0]) / steps,
+            try:
+                run(steps)                                                # warm-up (captures)
+                counts = []
+                for n in (steps, 2 * steps):      # the difference leaves out the once-per-rollout work
+                    with _Count() as counter:
+                        run(n)
+                    counts.append((counter.ops, counter.compute))
+                t0 = time.perf_counter()
+                run(steps)
+                ms = (time.perf_counter() - t0) / steps * 1e3
+            finally:
+                if saved is None:
+                    os.environ.pop(graphs.ENV)
+                else:
+                    os.environ[graphs.ENV] = saved
+            out.append({"windows": W, "rows": R, "cuda_graphs": graphed, "steps_linearised_together": max(1, R // W),
+                        "ms_per_step": ms, "aten_ops_per_step": (counts[1][0] - counts[0][0]) / steps,
                         "compute_ops_per_step": (counts[1][1] - counts[0][1]) / steps})
             _log(f"{device:5s} tangent step, {W:3d} windows x {C} directions, {max(1, R // W):4d} steps linearised "
-                 f"together: {ms:7.2f} ms per step, {out[-1]['aten_ops_per_step']:.0f} aten operations per step, "
+                 f"together, CUDA graphs {'on ' if graphed else 'off'}: {ms:7.2f} ms per step, "
+                 f"{out[-1]['aten_ops_per_step']:.0f} aten operations per step, "
                  f"{out[-1]['compute_ops_per_step']:.0f} of them not views")
             save()
+    graphs.clear()
+
+
+def profile_part(res: Dict[str, Any], save, device: str = "cuda", name: str = "stacked_manipulator",
+                 batch: int = 65536, steps: int = 20) -> None:
+    """Where the engine's time goes: one rollout of ``steps`` semi-implicit steps at ``batch``, float32, of each path
+    (eager and compiled; on CUDA each also replayed from a CUDA graph), warmed up, then under torch.profiler: the
+    wall time per step beside the device's busy time per step (kernels), the kernels per step, and the longest
+    kernels. Busy time near the wall time: the kernels themselves are the bound; far below it: the launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = make_engine(load_structure(CONFIG_DIR / "models" / f"{name}.yaml"), "nodal", "semi_implicit",
+                      dtype=torch.float32, device=device)
+    p = eng.default_params().map(lambda t: t.to(torch.float32))
+    s0 = eng.initial_state(batch=batch).map(lambda t: t.to(torch.float32))
+    sync = device_sync(s0.positions)
+    cuda = device == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    rows = res.setdefault("profile", {"structure": name, "batch": batch, "steps": steps, "cases": {}})["cases"]
+    for comp, graph in ((False, False), (True, False)) + (((False, True), (True, True)) if cuda else ()):
+        tag = f"{'compiled' if comp else 'eager'}{', CUDA graph' if graph else ''}"
+        kw = dict(compile=comp, cuda_graph=graph, **({"kernel": "inductor"} if comp else {}))
+        try:
+            with torch.no_grad():
+                for _ in range(2):                          # compiles, captures, warms the allocator
+                    eng.rollout(p, s0, None, DT, steps=steps, **kw)
+                sync()
+                with profile(activities=acts) as prof:
+                    t0 = time.perf_counter()
+                    eng.rollout(p, s0, None, DT, steps=steps, **kw)
+                    sync()
+                    wall = time.perf_counter() - t0
+        except Exception as err:  # noqa: BLE001 - record it, profile the rest
+            rows[tag] = {"error": f"{type(err).__name__}: {err}"[:500]}
+            _log(f"profile {tag}: FAILED {rows[tag]['error']}")
+            continue
+        events = prof.key_averages()
+        kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+
+        def busy(e):
+            return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+
+        row = rows[tag] = {"wall_ms_per_step": wall / steps * 1e3,
+                           "device_busy_ms_per_step": sum(busy(e) for e in kernels) / 1e3 / steps,
+                           "kernels_per_step": sum(e.count for e in kernels) / steps,
+                           "longest": [(e.key[:90], busy(e) / 1e3 / steps, e.count / steps)
+                                       for e in sorted(kernels, key=busy, reverse=True)[:6]]}
+        _log(f"profile {name} b{batch} {tag}: {row['wall_ms_per_step']:.3f} ms per step wall, device busy "
+             f"{row['device_busy_ms_per_step']:.3f} ms, {row['kernels_per_step']:.0f} kernels per step; longest: "
+             + "; ".join(f"{k} {ms:.3f} ms x{n:g}" for k, ms, n in row["longest"][:4]))
+        save()
+    graphs.clear()
 
 
 def online_update(device: str, seconds: float = 8.0):
@@ -266,12 +344,12 @@ def plot(res: Dict[str, Any], path: Path = IMG / "gpu_engine.png") -> Path:
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (tag, rates) in enumerate(sorted(res.get("engine", {}).items())):
         color = f"C{i}"
-        for kind, style in (("eager_nograd", "o-"), ("eager_grad", "s--")):
+        for kind, style in (("eager_nograd", "o-"), ("eager_grad", "s--"), ("eager_graph_nograd", "^:")):
             pts = sorted((int(k.rsplit("_b", 1)[1]), v["steps_per_s"]) for k, v in rates.items()
                          if k.startswith(kind + "_b"))
             if pts:
                 ax.loglog(*zip(*pts), style, color=color, label=f"{tag}, {kind.replace('_', ', ')}")
-        for kind, marker in (("compiled_nograd", "*"), ("compiled_grad", "P")):
+        for kind, marker in (("compiled_nograd", "*"), ("compiled_grad", "P"), ("compiled_graph_nograd", "X")):
             pts = [(int(k.rsplit("_b", 1)[1]), v["steps_per_s"]) for k, v in rates.items()
                    if k.startswith(kind + "_b")]
             if pts:
@@ -334,8 +412,8 @@ def identify_part(res: Dict[str, Any], save, work: Path, bag: Optional[Path] = N
 
 
 def run(parts: Sequence[str] = PARTS, bag: Optional[Path] = None, out: Path = OUT,
-        work: Optional[Path] = None, device: str = "cuda", engine_kw: Optional[Dict[str, Any]] = None
-        ) -> Dict[str, Any]:
+        work: Optional[Path] = None, device: str = "cuda", engine_kw: Optional[Dict[str, Any]] = None,
+        tangent_kw: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The parts on ``device`` (``cpu``: a dry run of the same code, for the tests; ``engine_kw``: smaller batches
     for the same reason). Without CUDA and ``device="cuda"``: measures nothing and says so."""
     res: Dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cuda": torch.cuda.is_available(),
@@ -358,8 +436,10 @@ def run(parts: Sequence[str] = PARTS, bag: Optional[Path] = None, out: Path = OU
         engine_part(res, save, device=device, **(engine_kw or {}))
         if device == "cuda":
             _log(f"wrote {plot(res)}")
+    if "profile" in parts:
+        profile_part(res, save, device=device)
     if "tangent" in parts:
-        tangent_part(res, save, device=device)
+        tangent_part(res, save, device=device, **(tangent_kw or {}))
     if "online" in parts:
         online_part(res, save, devices=tuple(dict.fromkeys((device, "cpu"))))
     if "identify" in parts:
@@ -371,13 +451,15 @@ def run(parts: Sequence[str] = PARTS, bag: Optional[Path] = None, out: Path = OU
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=PARTS, help="one part (default: all four)")
+    ap.add_argument("--only", choices=PARTS, help="one part (default: every part)")
     ap.add_argument("--bag", type=Path, help="identify this bag (default: simulate the README's 16-s bag)")
     ap.add_argument("--out", type=Path, default=OUT, help=f"results JSON (default {OUT})")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: a dry run of the same code (default cuda)")
     ap.add_argument("--batches", type=int, nargs="+", help=f"engine batch sizes (default {' '.join(map(str, BATCHES))}; "
                     "given: the compiled path and the gradients at the largest)")
+    ap.add_argument("--tangent-rows", type=int, nargs="+", metavar="R", help="the tangent part's linearisation "
+                    "batches (default 1 16 4096)")
     ap.add_argument("--plot", type=Path, metavar="JSON", help="only redraw docs/img/gpu_engine.png from a results "
                     "file of an earlier run")
     a = ap.parse_args(argv)
@@ -386,7 +468,8 @@ def main(argv=None) -> int:
         return 0
     kw = None if not a.batches else {"batches": tuple(a.batches), "compiled_batches": (max(a.batches),),
                                      "grad_batches": (max(a.batches),)}
-    run(parts=(a.only,) if a.only else PARTS, bag=a.bag, out=a.out, device=a.device, engine_kw=kw)
+    run(parts=(a.only,) if a.only else PARTS, bag=a.bag, out=a.out, device=a.device, engine_kw=kw,
+        tangent_kw={"rows": tuple(a.tangent_rows)} if a.tangent_rows else None)
     return 0
 
 

@@ -197,6 +197,11 @@ def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
     import faulthandler
     import sys
 
+    if "torch._inductor.async_compile" in sys.modules:
+        # torch's own pool of compile-worker processes, which inductor starts on a machine with many cores (the
+        # 16-core GPU machine of 2026-12-04: test_cuda.py compiles there) and which torch's exit hook ends only
+        # after this check
+        sys.modules["torch._inductor.async_compile"].shutdown_compile_workers()
     threads, children = leftovers()
     if threads or children:
         lines = [f"thread {t.name!r} (non-daemon)" for t in threads] + \

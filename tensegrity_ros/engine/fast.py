@@ -265,6 +265,12 @@ def compiled(name: str, device_type: str = "cpu", serial: bool = False):
     if fn is None:
         from ._common import compile_fn
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_globals_unsafe, "cpp_wrapper": device_type == "cpu"}
+        if device_type == "cuda":
+            # inductor's persistent reductions (a whole reduction in one block) were the compiled step's slowest
+            # kernels at large batches: the manipulator at batch 65 536 on an H200 (2026-12-04, float32, 20
+            # steps) ran 24.2 M item-steps/s with them, 50.9 M without (coordinate-descent tuning: 42.7 M, after
+            # a 59-s compile)
+            options["triton.persistent_reductions"] = False
         if serial:
             options["cpp.threads"] = 1
         fn = compile_fn({"steps_full": steps_full}[name], dynamic=False, options=options)
@@ -349,7 +355,7 @@ def choose_kernel(kernel: str, device_type: str, grad: bool, integrator: str, dt
 
 def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tensor, u, udot, fext, n: int,
             dt: float, integrator: str, opts: Options, chunk: int = 1, compile: bool = True,
-            sub_batch: Optional[int] = None, kernel: str = "auto"):
+            sub_batch: Optional[int] = None, kernel: str = "auto", cuda_graph: bool = False):
     """n steps from full node positions/velocities (B, N, 3); inputs time-major (T, B, ...) or None.
     Returns positions, velocities (n, B, N, 3). ``compile``: ``kernel`` (:data:`KERNELS`) runs the steps, else
     the eager batch-last steps. Under inductor, ``chunk`` steps per compiled call; ``sub_batch`` splits a large
@@ -365,11 +371,21 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
     on one thread 380 k, on two threads 647 k; through this function, 20 steps (``bench/bench_engine.py``'s),
     909 k against 590 k, and the icosahedron (two pieces of 512 against the whole batch) 1.96 M against 1.67 M
     (3.22 M against 2.15 M over 100 steps). With a gradient the pieces stay in turn on OpenMP's threads: their
-    backward passes would run on autograd's one CPU thread anyway."""
+    backward passes would run on autograd's one CPU thread anyway.
+
+    ``cuda_graph`` (CUDA, no gradient): each piece's chunk of ``chunk`` steps is recorded once as a CUDA graph
+    (:class:`.graphs.CapturedCall`) and replayed."""
     B = max(X0.shape[0], params.mass.shape[0] if params.mass.dim() == 2 else 1)
     X0, V0 = X0.expand(B, *X0.shape[1:]), V0.expand(B, *V0.shape[1:])
     leaves = (X0, V0, u, udot, fext, *(getattr(params, k) for k in params.kinds()))
     grad = differentiated(*leaves)
+    if cuda_graph:
+        from . import graphs
+        why = graphs.unsuitable(X0.device, grad, integrator)
+        if why is not None:
+            raise ValueError(f"cuda_graph: {why}")
+        if compile and kernel == "native":
+            raise ValueError("cuda_graph: the native kernel runs on a CPU; pass kernel='inductor' or 'auto'")
     if compile and choose_kernel(kernel, X0.device.type, grad, integrator, X0.dtype) == "native":
         from . import native
         return native.rollout(c, params, X0, V0, u, udot, fext, n, dt, opts)
@@ -378,7 +394,8 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
     min_piece = -(-THREAD_PIECE_WORK // (steps_per_call * max(1, c.free_idx.numel())))
     pieces, threads = batch_pieces(B, sub_batch, threads, min_piece)
     if len(pieces) == 1:
-        return _rollout(c, params, X0, V0, u, udot, fext, n, dt, integrator, opts, chunk, compile)
+        return _rollout(c, params, X0, V0, u, udot, fext, n, dt, integrator, opts, chunk, compile,
+                        cuda_graph=cuda_graph)
     serial = threads > 1
 
     def part(x, sl, dim):
@@ -390,7 +407,7 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
         p = params.map(lambda t: t[sl] if t.dim() >= 1 and params.mass.dim() == 2 and t.shape[0] == B else t)
         out = None if grad else (X[:, sl], V[:, sl])      # chunks copied in place (autograd needs the copies)
         x, v = _rollout(c, p, X0[sl], V0[sl], part(u, sl, 1), part(udot, sl, 1), part(fext, sl, 1), n, dt,
-                        integrator, opts, chunk, compile, serial, first_call, out)
+                        integrator, opts, chunk, compile, serial, first_call, out, cuda_graph)
         if out is None:
             X[:, sl], V[:, sl] = x, v
 
@@ -428,10 +445,12 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
 
 def _rollout(c: NodalConstants, params: Params, X0, V0, u, udot, fext, n: int, dt: float, integrator: str,
              opts: Options, chunk: int, compile: bool, serial: bool = False,
-             first_call: Optional[threading.Event] = None, out=None):
+             first_call: Optional[threading.Event] = None, out=None, cuda_graph: bool = False,
+             capture: bool = True):
     """:func:`rollout` for one piece of the batch (``serial``: the graph without OpenMP regions; ``first_call``
     is set once the first compiled call has returned, or failed; ``out``: positions and velocities (n, B, N, 3)
-    that each chunk's outputs are copied into, returned, instead of concatenated)."""
+    that each chunk's outputs are copied into, returned, instead of concatenated; ``cuda_graph``: the chunks
+    replayed from one CUDA graph, ``capture=False`` the same data flow without it, for CPU tests)."""
     B = X0.shape[0]
     der = prepare_fast(c, params)
     Q, V = to_fast(c, X0), to_fast(c, V0)
@@ -446,12 +465,20 @@ def _rollout(c: NodalConstants, params: Params, X0, V0, u, udot, fext, n: int, d
 
     u, udot, fq = padded(u), padded(udot), padded(fq)
     fn = compiled("steps_full", X0.device.type, serial) if compile else steps_full
+
     Xs, Vs = [], []
     try:
         for k0 in range(0, n + pad, K):
             sl = slice(k0, k0 + K)
-            Q, V, x, v = fn(c, der, Q, V, None if u is None else u[sl], None if udot is None else udot[sl],
-                            None if fq is None else fq[sl], dt, integrator, opts, K)
+            args = (c, der, Q, V, None if u is None else u[sl], None if udot is None else udot[sl],
+                    None if fq is None else fq[sl], dt, integrator, opts, K)
+            if cuda_graph:
+                from .graphs import replay
+                Q, V, x, v = replay(f"fast.steps_full/{'compiled' if compile else 'eager'}", fn, args, capture)
+                if out is None:              # the graph's outputs are overwritten by the next replay
+                    x, v = x.clone(), v.clone()
+            else:
+                Q, V, x, v = fn(*args)
             if first_call is not None:
                 first_call.set()
             if out is not None:

@@ -23,6 +23,7 @@ the constants of one structure.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
@@ -30,7 +31,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import fast, integrators, laws
-from ._common import convert_like, spd_inverse, unsqueeze_batch
+from ._common import convert_like, differentiated, spd_inverse, unsqueeze_batch
 from .laws import (Constrained, Derived, NodalConstants, Options, StringState, prepare,  # noqa: F401 (re-exported)
                    reduced_mass_matrix)
 from .params import Params, params_from_structure
@@ -235,9 +236,11 @@ def step(c: NodalConstants, params: Params, state: State, inputs: Optional[Input
 
 
 def rollout(c: NodalConstants, params: Params, state0: State, inputs: Optional[Inputs], dt: float,
-            integrator: str = "semi_implicit", opts: Options = Options(), steps: Optional[int] = None) -> State:
+            integrator: str = "semi_implicit", opts: Options = Options(), steps: Optional[int] = None,
+            cuda_graph: bool = False) -> State:
     """T steps; ``inputs`` fields carry a leading time axis T. Returns States stacked on a leading T axis
-    (state after each step; state0 excluded). ``steps`` is only needed when ``inputs`` is None."""
+    (state after each step; state0 excluded). ``steps`` is only needed when ``inputs`` is None. ``cuda_graph``:
+    the steps replayed from a CUDA graph (:func:`steps_captured`)."""
     c = convert_like(c, state0.positions)
     params = convert_like(params, state0.positions)
     inputs = convert_like(inputs, state0.positions)
@@ -245,8 +248,32 @@ def rollout(c: NodalConstants, params: Params, state0: State, inputs: Optional[I
     Q, V = reduce(c, state0.positions), reduce(c, state0.velocities)
     n = rollout_horizon(inputs, steps)
     u_all, ud_all, fq_all = _inputs_reduced(c, inputs)
-    Qs, Vs = laws.steps(BatchFirst.of(opts), c, der, Q, V, u_all, ud_all, fq_all, dt, integrator, opts, n)
+    if cuda_graph:
+        Qs, Vs = steps_captured(c, der, Q, V, u_all, ud_all, fq_all, dt, integrator, opts, n)
+    else:
+        Qs, Vs = laws.steps(BatchFirst.of(opts), c, der, Q, V, u_all, ud_all, fq_all, dt, integrator, opts, n)
     return State(expand(c, Qs), expand_velocity(c, Vs))
+
+
+def steps_captured(c: NodalConstants, der: Derived, Q, V, u, udot, fq, dt: float, integrator: str, opts: Options,
+                   n: int, capture: bool = True):
+    """:func:`.laws.steps` in reduced coordinates (Q, V (B, 3, n_free); inputs time-major or None), replayed from
+    a CUDA graph of :data:`.graphs.CHUNK_STEPS` steps (:func:`.graphs.chunked_steps`; ``capture=False``: the same
+    data flow without a graph, for CPU tests). The bar-matrix inverse runs unrolled (:data:`.graphs.CAPTURE_SOLVER`):
+    the same states as ``lapack``'s to round-off. ValueError where a graph cannot run (:func:`.graphs.unsuitable`)."""
+    from . import graphs
+    grad = differentiated(Q, V, u, udot, fq, *(getattr(der, f.name) for f in dataclasses.fields(der)))
+    why = graphs.unsuitable(Q.device, grad, integrator) if capture else None
+    if why is not None:
+        raise ValueError(f"cuda_graph: {why}")
+    o = opts._replace(solver=graphs.CAPTURE_SOLVER)
+    return graphs.chunked_steps("nodal.steps", _chunk_steps, Q, V, (c, der, dt, integrator, o), (u, udot, fq), n,
+                                capture=capture)
+
+
+def _chunk_steps(Q, V, consts, inputs, K: int):
+    c, der, dt, integrator, opts = consts
+    return laws.steps(BatchFirst.of(opts), c, der, Q, V, *inputs, dt, integrator, opts, K)
 
 
 # =====================================================================================================
@@ -422,7 +449,7 @@ class NodalEngine:
 
     def rollout(self, params: Params, state0: State, inputs: Optional[Inputs] = None, dt: float = 1e-3,
                 steps: Optional[int] = None, compile: bool = False, chunk: int = 1,
-                sub_batch: Optional[int] = None, kernel: str = "auto") -> State:
+                sub_batch: Optional[int] = None, kernel: str = "auto", cuda_graph: bool = False) -> State:
         """T steps; inputs (T, B, ...); returns states (T, B, N, 3) after each step.
 
         ``compile=True``: the batch-last throughput path (:mod:`.fast`), run by ``kernel`` (``fast.KERNELS``):
@@ -433,9 +460,15 @@ class NodalEngine:
         compiles once), and ``sub_batch`` runs a large batch in pieces of at most this size (faster when a
         piece's working set fits the cache; e.g. 128 for the 36-node manipulator on this CPU, without gradients:
         with them each piece keeps an autograd graph of its own and whole batches were faster, docs/engine.md).
+
+        ``cuda_graph=True`` (CUDA, no gradient; :mod:`.graphs`): the steps' kernels are recorded once as a CUDA
+        graph per chunk of steps and replayed, which removes the launches' cost from Python; eager: the reference
+        layout's steps (:func:`steps_captured`); compiled: inductor's kernels (``kernel="inductor"``). ValueError
+        where it cannot run (a CPU tensor, a gradient, the implicit step), saying why.
         """
         if not compile:
-            return rollout(self.constants, params, state0, inputs, dt, self.integrator, self.options, steps)
+            return rollout(self.constants, params, state0, inputs, dt, self.integrator, self.options, steps,
+                           cuda_graph)
         ref = state0.positions
         c, params, inputs = (convert_like(x, ref) for x in (self.constants, params, inputs))
         n = rollout_horizon(inputs, steps)
@@ -443,7 +476,7 @@ class NodalEngine:
         if inputs is not None:
             u, ud, fe = inputs.motor_angles, inputs.motor_velocities, inputs.external_forces
         X, V = fast.rollout(c, params, state0.positions, state0.velocities, u, ud, fe, n, dt, self.integrator,
-                            self.options, chunk=chunk, sub_batch=sub_batch, kernel=kernel)
+                            self.options, chunk=chunk, sub_batch=sub_batch, kernel=kernel, cuda_graph=cuda_graph)
         return State(X, V)
 
     @property

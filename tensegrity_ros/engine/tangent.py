@@ -33,7 +33,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ._common import convert_like
+from ._common import convert_like, differentiated
+from .graphs import for_identification
 from .blas import match_threads, matmul as mm
 from .nodal import (Derived, NodalConstants, Options, chord_matrix_inverse, constrained_accelerations,
                     generalized_forces, project_positions_once, project_velocities)
@@ -427,6 +428,11 @@ def rollout_tangents(c: NodalConstants, der: Derived, dth: Optional[ParamTangent
     if primal is not None and tuple(primal[0].shape) != (n_steps + 1, *Q0.shape):
         raise ValueError(f"rollout_tangents: primal states {tuple(primal[0].shape)}, expected "
                          f"{(n_steps + 1, *Q0.shape)} (n_steps + 1 states of the B windows)")
+    if primal is None and for_identification(Q0.device, differentiated(Q0, V0, u, ud, fq)):
+        # on CUDA the eager primal's launches cost more than the tangents' products (.graphs)
+        from .nodal import steps_captured
+        Qs, Vs = steps_captured(c, der, Q0, V0, u, ud, fq, float(dt), "semi_implicit", opts, n_steps)
+        primal = torch.cat((Q0.unsqueeze(0), Qs)), torch.cat((V0.unsqueeze(0), Vs))
     Q, V = (Q0, V0) if primal is None else (primal[0][0], primal[1][0])
     S = torch.cat([SQ0.reshape(B, C, n), SV0.reshape(B, C, n)], -1).to(tdt)   # (B, C, 2n)
     record_Q(0, Q)

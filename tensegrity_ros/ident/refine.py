@@ -816,15 +816,18 @@ class RefineProblem:
         """The rollout options of :meth:`simulate`: the engine's native kernel (the semi-implicit step fused in C,
         :mod:`..engine.native`) where it runs this rollout, i.e. where no derivative flows through it (the
         residuals of Levenberg-Marquardt, the scorings, the checks), else the eager engine (autograd and forward-mode
-        Jacobians). The same states to float64 round-off (test_engine_native.py)."""
-        from ..engine import NodalEngine, fast
+        Jacobians). The same states to float64 round-off (test_engine_native.py). On CUDA, where no derivative
+        flows, the eager steps replayed from a CUDA graph (:mod:`..engine.graphs`; the same states to round-off)."""
+        from ..engine import NodalEngine, fast, graphs
         if not isinstance(self.engine, NodalEngine):
             return {}
         leaves = [getattr(params, k) for k in params.kinds()] + [st.positions, st.velocities]
         if inp is not None:
             leaves += [inp.motor_angles, inp.motor_velocities, inp.external_forces]
-        kernel = fast.choose_kernel("auto", self.device.type, differentiated(*leaves), self.engine.integrator,
-                                    self.dtype)
+        grad = differentiated(*leaves)
+        if graphs.for_identification(self.device, grad, self.engine.integrator):
+            return {"cuda_graph": True}
+        kernel = fast.choose_kernel("auto", self.device.type, grad, self.engine.integrator, self.dtype)
         return {"compile": True, "kernel": "native"} if kernel == "native" else {}
 
     def _open_loop_residuals(self, params: Union[Params, Sequence[Params]], delay_s: Optional[float]) -> torch.Tensor:
