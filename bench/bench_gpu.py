@@ -341,7 +341,9 @@ def plot(res: Dict[str, Any], path: Path = IMG / "gpu_engine.png") -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(12, 5.5))
+    batches = [int(k.rsplit("_b", 1)[1]) for rates in res.get("engine", {}).values() for k in rates]
+    x_text = min(batches, default=1) * 1.1            # labels of the horizontal lines, at the left edge
     for i, (tag, rates) in enumerate(sorted(res.get("engine", {}).items())):
         color = f"C{i}"
         for kind, style in (("eager_nograd", "o-"), ("eager_grad", "s--"), ("eager_graph_nograd", "^:")):
@@ -357,15 +359,15 @@ def plot(res: Dict[str, Any], path: Path = IMG / "gpu_engine.png") -> Path:
                           label=f"{tag}, {kind.replace('_', ', ')}")
     for i, (name, m) in enumerate(sorted(res.get("mujoco_rollout", {}).items())):
         ax.axhline(m["steps_per_s"], color="gray", ls=":", lw=1)
-        ax.text(1.1, m["steps_per_s"] * 1.15, f"mujoco.rollout, {name}, {m['nthread']} CPU threads", fontsize=7,
+        ax.text(x_text, m["steps_per_s"] * 1.15, f"mujoco.rollout, {name}, {m['nthread']} CPU threads", fontsize=7,
                 color="gray")
     ax.axhline(GOAL_B65K, color="k", ls="-.", lw=0.8)
-    ax.text(1.1, GOAL_B65K * 1.15, "issue 20 goal at batch 65 536", fontsize=7)
+    ax.text(x_text, GOAL_B65K * 1.15, "issue 20 goal at batch 65 536", fontsize=7)
     dev = res.get("device", {})
     ax.set(xlabel="batch size (items)", ylabel="item-steps per second",
            title=f"engine throughput on {dev.get('name', '?')}, float32 ({res.get('date', '')})")
     ax.grid(True, which="both", lw=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
