@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
@@ -84,7 +85,9 @@ class CapturedCall:
         leaves, self.spec = pytree.tree_flatten(tuple(example))
         self.fn = fn
         self.static = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
-        self.last = [None] * len(leaves)           # (tensor, its version) last copied into each buffer
+        # (a weak reference to the tensor, its version) last copied into each buffer: weak, so that a graph kept
+        # in the cache does not keep a finished rollout's inputs alive
+        self.last = [None] * len(leaves)
         self.graph = None
         self.out = None
         if not capture:
@@ -111,10 +114,10 @@ class CapturedCall:
             if not isinstance(buf, torch.Tensor) or buf.data_ptr() == x.data_ptr():
                 continue
             last = self.last[i]
-            if last is not None and last[0] is x and last[1] == x._version and id(x) not in outputs:
+            if last is not None and last[0]() is x and last[1] == x._version and id(x) not in outputs:
                 continue
             buf.copy_(x)
-            self.last[i] = (x, x._version)
+            self.last[i] = (weakref.ref(x), x._version)
         if self.graph is None:
             self.out = self._run()
         else:
