@@ -136,16 +136,8 @@ def test_the_online_update_needs_no_ros():
     pytest.importorskip("mujoco")
     import subprocess
     import sys
-    code = f"""
-import importlib.abc, sys
-ROS = ("rclpy", "rcl_interfaces", "builtin_interfaces", "std_msgs", "sensor_msgs", "geometry_msgs",
-       "diagnostic_msgs", "visualization_msgs", "trajectory_msgs", "std_srvs", "rosidl_runtime_py",
-       "tensegrity_ros.msg", "tensegrity_ros.srv")     # the last two: this package's own generated messages
-class NoRos(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if any(name == p or name.startswith(p + ".") for p in ROS):
-            raise ImportError("no ROS here: " + name)
-sys.meta_path.insert(0, NoRos())
+    from no_ros import HOOK
+    code = HOOK + f"""
 sys.path.insert(0, {str(CONFIG_DIR.parent / "bench")!r})
 import bench_gpu
 out, _ = bench_gpu.online_update("cpu", seconds=6.0)

@@ -15,6 +15,8 @@ from typing import Dict, List
 import pytest
 import yaml
 
+from no_ros import HOOK
+
 ROOT = Path(__file__).resolve().parents[1]
 #: (slow subprocess start-ups on a shared CPU, which may also be paused for minutes)
 TIMEOUT_S = 600
@@ -30,27 +32,9 @@ def executables() -> List[str]:
     raise AssertionError("setup.py has no NODES tuple")
 
 
-NO_ROS = textwrap.dedent("""
-    import importlib, importlib.abc, json, sys
-
-    def is_ros(name):
-        top = name.split(".")[0]
-        return (top in ("rclpy", "rpyutils") or top.startswith(("rosidl", "rcl_", "rmw"))
-                or top.endswith(("_msgs", "_srvs", "_interfaces"))
-                or name.startswith(("tensegrity_ros.msg", "tensegrity_ros.srv")))
-
-    class NoRos(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if is_ros(name):
-                raise ImportError("no ROS here: " + name)
-
-    sys.meta_path.insert(0, NoRos())
-""")
-
-
 def _tables_without_ros(nodes: List[str]) -> Dict[str, List[str]]:
     """{node: its table's parameter names}, read in a process that refuses every ROS import."""
-    code = NO_ROS + textwrap.dedent(f"""
+    code = HOOK + textwrap.dedent(f"""
         from tensegrity_ros.nodes.params import ParamSpec
         out = {{}}
         for node in {nodes!r}:
@@ -74,7 +58,7 @@ def tables() -> Dict[str, List[str]]:
 
 def test_the_hook_refuses_ros():
     """The refusal is real: rclpy, rcl_interfaces and the generated messages do not import under it."""
-    code = NO_ROS + textwrap.dedent("""
+    code = HOOK + textwrap.dedent("""
         for name in ("rclpy", "rcl_interfaces.msg", "rosidl_runtime_py", "sensor_msgs.msg", "tensegrity_ros.msg"):
             try:
                 importlib.import_module(name)

@@ -381,9 +381,7 @@ def rollout(c: NodalConstants, params: Params, X0: torch.Tensor, V0: torch.Tenso
     grad = differentiated(*leaves)
     if cuda_graph:
         from . import graphs
-        why = graphs.unsuitable(X0.device, grad, integrator)
-        if why is not None:
-            raise ValueError(f"cuda_graph: {why}")
+        graphs.require(X0.device, grad, integrator)
         if compile and kernel == "native":
             raise ValueError("cuda_graph: the native kernel runs on a CPU; pass kernel='inductor' or 'auto'")
     if compile and choose_kernel(kernel, X0.device.type, grad, integrator, X0.dtype) == "native":

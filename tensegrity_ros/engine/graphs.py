@@ -58,6 +58,13 @@ def unsuitable(device: torch.device, grad: bool, integrator: str) -> Optional[st
     return None
 
 
+def require(device: torch.device, grad: bool, integrator: str) -> None:
+    """ValueError, saying why and how to fix, where :func:`unsuitable` finds that a graph cannot run."""
+    why = unsuitable(device, grad, integrator)
+    if why is not None:
+        raise ValueError(f"cuda_graph: {why}")
+
+
 def for_identification(device: torch.device, grad: bool, integrator: str = "semi_implicit") -> bool:
     """Whether identification's rollouts on ``device`` run from CUDA graphs: its residual rollouts and the tangent
     model's primal, where no derivative flows through them, on CUDA, unless ``TENSEGRITY_CUDA_GRAPHS=0``."""
@@ -90,6 +97,9 @@ class CapturedCall:
         self.last = [None] * len(leaves)
         self.graph = None
         self.out = None
+        # this graph's output tensors: the same objects at every replay (without a graph each call makes new ones,
+        # which no later call can pass back as "the very one of the previous call")
+        self.out_ids = set()
         if not capture:
             return
         # warm-up on a side stream (cuBLAS handles, the allocator, lazy initialisation), as torch's docs ask
@@ -101,6 +111,7 @@ class CapturedCall:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.out = self._run()
+        self.out_ids = {id(t) for t in pytree.tree_leaves(self.out) if isinstance(t, torch.Tensor)}
 
     def _run(self):
         return self.fn(*pytree.tree_unflatten(self.static, self.spec))
@@ -109,12 +120,11 @@ class CapturedCall:
         leaves = pytree.tree_leaves(tuple(args))
         if len(leaves) != len(self.static):
             raise ValueError(f"CapturedCall: {len(leaves)} leaves, captured with {len(self.static)}")
-        outputs = {id(t) for t in pytree.tree_leaves(self.out) if isinstance(t, torch.Tensor)}
         for i, (buf, x) in enumerate(zip(self.static, leaves)):
             if not isinstance(buf, torch.Tensor) or buf.data_ptr() == x.data_ptr():
                 continue
             last = self.last[i]
-            if last is not None and last[0]() is x and last[1] == x._version and id(x) not in outputs:
+            if last is not None and last[0]() is x and last[1] == x._version and id(x) not in self.out_ids:
                 continue
             buf.copy_(x)
             self.last[i] = (weakref.ref(x), x._version)

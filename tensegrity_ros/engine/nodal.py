@@ -263,9 +263,8 @@ def steps_captured(c: NodalConstants, der: Derived, Q, V, u, udot, fq, dt: float
     the same states as ``lapack``'s to round-off. ValueError where a graph cannot run (:func:`.graphs.unsuitable`)."""
     from . import graphs
     grad = differentiated(Q, V, u, udot, fq, *(getattr(der, f.name) for f in dataclasses.fields(der)))
-    why = graphs.unsuitable(Q.device, grad, integrator) if capture else None
-    if why is not None:
-        raise ValueError(f"cuda_graph: {why}")
+    if capture:
+        graphs.require(Q.device, grad, integrator)
     o = opts._replace(solver=graphs.CAPTURE_SOLVER)
     return graphs.chunked_steps("nodal.steps", _chunk_steps, Q, V, (c, der, dt, integrator, o), (u, udot, fq), n,
                                 capture=capture)
